@@ -1,0 +1,173 @@
+"""CostModel: predicted seconds of one micro-batch at a given CP size, from a Profile.
+
+For a micro-batch of sequences s_i run by a ring of c ranks (each s_i padded to p_i, a multiple of
+2c), per rank::
+
+    linear       lin * sum(p_i) / c                                  GEMMs, norms, MLP, head
+    attention    layers * c * (sum_i A(p_i / c) + k)                  c ring steps per layer
+    ring comm    layers * (c-1) * [exposed fwd step + exposed bwd step] + final dK/dV hop
+    constant     microbatch overhead
+
+Why ``c * A(p/c)``: in a zigzag ring every step on every rank is one block of p/c queries against
+p/c keys with half of the pairs masked, i.e. the work of a causal sequence of length p/c. Summing
+A over sequences and paying the fixed kernel cost ``k`` once per step models one varlen call per
+step for the whole pack; short blocks thus pay their real inefficiency (A is measured, not FLOPs).
+
+A ring step moves the KV block of the local tokens (kv_bytes_per_token * sum(p_i)/c); the backward
+also moves dK/dV. With overlap, a step costs max(compute, transfer); without, their sum. Groups
+larger than ``ranks_per_node`` cross the node boundary and use the inter-node link (the cliff).
+
+Planner, cost model and simulator import no torch; everything here is numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dyncp.cost_model.profile import AttentionTable, Profile, load_profile
+
+__all__ = ["CostModel"]
+
+
+class CostModel:
+    """Predicts micro-batch seconds and memory for a profile on a given node size.
+
+    Args:
+        profile: the validated profile.
+        ranks_per_node: groups larger than this use the profile's inter-node link.
+    """
+
+    def __init__(self, profile: Profile, ranks_per_node: int) -> None:
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        self.profile = profile
+        self.ranks_per_node = ranks_per_node
+        self.layers = profile.model.num_layers
+        self.lin = profile.linear_seconds_per_token
+        att = profile.attention
+        self.k = att.step_overhead_seconds
+        self.fwd_fraction = 1.0 / (1.0 + att.backward_forward_ratio)
+        comm = profile.communication
+        self.kvb = comm.kv_bytes_per_token
+        self.bwd_bytes = comm.backward_bytes_factor
+        self.overlap = comm.overlap
+        self.microbatch_overhead = profile.overheads.microbatch_seconds
+        self.wave_overhead = profile.overheads.wave_seconds
+        if isinstance(att, AttentionTable):
+            lengths = np.asarray(att.lengths, dtype=np.float64)
+            net = np.asarray(att.seconds, dtype=np.float64) - att.step_overhead_seconds
+            self._log_len = np.log(lengths)
+            self._log_net = np.log(net)
+            self._len0, self._net0 = lengths[0], net[0]
+            self._len1, self._net1 = lengths[-1], net[-1]
+            self._quad: tuple[float, float] | None = None
+        else:
+            self._quad = (att.alpha, att.beta)
+
+    @classmethod
+    def load(cls, name_or_path: str | Path, ranks_per_node: int) -> CostModel:
+        """Build from a bundled profile name or a profile path."""
+        return cls(load_profile(name_or_path), ranks_per_node)
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    # ------------------------------------------------------------------------------ pieces
+    def attention_seconds(self, length: np.ndarray | float) -> np.ndarray:
+        """Net attention fwd+bwd seconds per layer of causal sequences at CP 1 (no step cost)."""
+        x = np.asarray(length, dtype=np.float64)
+        if self._quad is not None:
+            alpha, beta = self._quad
+            return alpha * x * x + beta * x
+        inside = np.exp(np.interp(np.log(np.maximum(x, 1e-9)), self._log_len, self._log_net))
+        below = self._net0 * x / self._len0  # fixed cost already removed: linear below the table
+        above = self._net1 * (x / self._len1) ** 2  # quadratic growth past the longest measured
+        return np.where(x < self._len0, below, np.where(x > self._len1, above, inside))
+
+    def link(self, cp: int) -> tuple[float, float]:
+        """(latency, bandwidth) of one ring step of a group of ``cp`` ranks."""
+        comm = self.profile.communication
+        link = comm.intra_node if cp <= self.ranks_per_node else comm.inter_node
+        return link.latency_seconds, link.bandwidth_bytes_per_second
+
+    @staticmethod
+    def padded(cp: int, lengths: np.ndarray) -> np.ndarray:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if cp == 1:
+            return lengths
+        unit = 2 * cp
+        return -(-lengths // unit) * unit
+
+    def _seconds(self, cp: int, tokens: np.ndarray, step_attention: np.ndarray) -> np.ndarray:
+        """Micro-batch seconds given padded tokens and the per-step attention (sum of A(p/c))."""
+        step = step_attention + self.k
+        total = self.lin * tokens / cp + self.microbatch_overhead
+        if cp == 1:
+            return total + self.layers * step
+        latency, bandwidth = self.link(cp)
+        block = self.kvb * tokens / cp / bandwidth
+        comm_f = latency + block
+        comm_b = latency + self.bwd_bytes * block
+        home = latency + max(self.bwd_bytes - 1.0, 0.0) * block  # dK/dV back to their owner
+        if self.overlap:
+            comp_f = step * self.fwd_fraction
+            comp_b = step - comp_f
+            ring = (cp - 1) * (np.maximum(comp_f, comm_f) + np.maximum(comp_b, comm_b))
+            layer = step + ring + home
+        else:
+            layer = cp * step + (cp - 1) * (comm_f + comm_b) + home
+        return total + self.layers * layer
+
+    # ------------------------------------------------------------------------------ public API
+    def microbatch_seconds(self, cp: int, lengths: Sequence[int] | np.ndarray) -> float:
+        """Predicted seconds of one forward+backward of ``lengths`` packed at CP size ``cp``."""
+        p = self.padded(cp, np.asarray(lengths))
+        if p.size == 0:
+            return 0.0
+        tokens = np.float64(p.sum())
+        step_att = np.float64(self.attention_seconds(p / cp).sum())
+        return float(self._seconds(cp, tokens, step_att))
+
+    def memory_tokens(self, cp: int, lengths: Sequence[int] | np.ndarray) -> int:
+        """Tokens per rank (padding included) of ``lengths`` packed at CP size ``cp``."""
+        p = self.padded(cp, np.asarray(lengths))
+        return int(-(-int(p.sum()) // cp))
+
+    def alone_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        """Seconds of each sequence as its own micro-batch at CP size ``cp`` (vectorised)."""
+        p = self.padded(cp, lengths).astype(np.float64)
+        return self._seconds(cp, p, self.attention_seconds(p / cp))
+
+    def marginal_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        """Additive estimate of what each sequence adds to a micro-batch at CP ``cp``.
+
+        Linear and attention work plus communication that its own compute cannot hide; the
+        per-micro-batch and per-step constants are excluded (they are shared by the pack).
+        Used by planners for balancing; plans are always priced with microbatch_seconds.
+        """
+        p = self.padded(cp, lengths).astype(np.float64)
+        att = self.attention_seconds(p / cp)
+        out = self.lin * p / cp + self.layers * cp * att
+        if cp > 1:
+            _, bandwidth = self.link(cp)
+            block = self.kvb * p / cp / bandwidth
+            if self.overlap:
+                exposed = np.maximum(block - att * self.fwd_fraction, 0.0) + np.maximum(
+                    self.bwd_bytes * block - att * (1 - self.fwd_fraction), 0.0
+                )
+            else:
+                exposed = (1 + self.bwd_bytes) * block
+            out = out + self.layers * (cp - 1) * exposed
+        return out
+
+    def work_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        """A lower bound on the rank-seconds each sequence costs in any micro-batch at CP ``cp``.
+
+        Linear plus attention work only (no communication, no shared constants), times cp ranks.
+        """
+        p = self.padded(cp, lengths).astype(np.float64)
+        return self.lin * p + self.layers * cp * cp * self.attention_seconds(p / cp)

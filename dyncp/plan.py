@@ -1,0 +1,349 @@
+"""The step plan: the contract between the planner, the cost model, the runtime and the simulator.
+
+A plan says, for one global batch, which ranks run which sequences with which context-parallel (CP)
+size, and in what order. Everything else in dyncp either produces a plan (planners), prices one
+(the cost model) or executes one (the runtime), so the rules live here, once, in ``validate()``.
+
+Vocabulary (see DESIGN.md)::
+
+    rank        one position on the data-parallel x context-parallel axis, 0 .. world-1
+    group       an aligned block of ranks [start, start + size) running one ring; size = CP size
+    micro-batch the packed sequences one group runs in one forward+backward
+    wave        groups that run concurrently; groups within a wave are disjoint, and group
+                membership may change only between waves (a synchronisation point)
+    step plan   waves covering the global batch: every sequence exactly once
+
+Memory: each sequence is zigzag-split into 2c chunks over a group of c ranks, so it is padded to a
+multiple of 2c (c > 1; a size-1 group needs no padding). A micro-batch fits when its padded tokens
+divided by c are at most ``capacity`` tokens per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Topology",
+    "MicroBatch",
+    "Group",
+    "Wave",
+    "StepPlan",
+    "PlanError",
+    "padded_length",
+]
+
+SCHEMA_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan breaks a rule of the contract.
+
+    Attributes:
+        rule: short name of the violated rule (e.g. ``"exactly-once"``, ``"capacity"``).
+        ids: the offending sequence ids, ranks or group starts, as named in the message.
+    """
+
+    def __init__(self, rule: str, message: str, ids: Sequence[int] = ()) -> None:
+        super().__init__(f"[{rule}] {message}")
+        self.rule = rule
+        self.ids = tuple(int(i) for i in ids)
+
+
+def padded_length(length: int, cp: int) -> int:
+    """Tokens a sequence occupies in a group of ``cp`` ranks: a multiple of 2*cp when cp > 1."""
+    if cp == 1:
+        return int(length)
+    unit = 2 * cp
+    return -(-int(length) // unit) * unit
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The ranks a plan schedules and what each can hold.
+
+    Args:
+        world: number of ranks on the DP x CP axis.
+        ranks_per_node: ranks sharing a node; groups larger than this cross the node boundary.
+        capacity: tokens per rank one micro-batch may hold (after zigzag padding).
+        group_sizes: allowed CP sizes; default every power of two up to ``world``.
+    """
+
+    world: int
+    ranks_per_node: int
+    capacity: int
+    group_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("world", "ranks_per_node", "capacity"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
+        if not self.group_sizes:
+            sizes = tuple(1 << k for k in range(self.world.bit_length()) if 1 << k <= self.world)
+            object.__setattr__(self, "group_sizes", sizes)
+        sizes = tuple(sorted(set(int(s) for s in self.group_sizes)))
+        bad = [s for s in sizes if not _is_power_of_two(s) or s > self.world or self.world % s]
+        if bad:
+            raise ValueError(
+                f"Topology.group_sizes {bad} not allowed: each size must be a power of two that "
+                f"divides world={self.world}"
+            )
+        object.__setattr__(self, "group_sizes", sizes)
+
+    @property
+    def max_group_size(self) -> int:
+        return self.group_sizes[-1]
+
+    def memory_tokens(self, lengths: Sequence[int], cp: int) -> int:
+        """Tokens per rank of a micro-batch of ``lengths`` at CP size ``cp`` (padding included)."""
+        total = sum(padded_length(s, cp) for s in lengths)
+        return -(-total // cp)
+
+    def fits(self, lengths: Sequence[int], cp: int) -> bool:
+        return self.memory_tokens(lengths, cp) <= self.capacity
+
+    def min_cp(self, length: int) -> int | None:
+        """Smallest allowed CP size that can hold ``length`` alone, or None if none can."""
+        for cp in self.group_sizes:
+            if padded_length(length, cp) <= cp * self.capacity:
+                return cp
+        return None
+
+    def max_length(self) -> int:
+        """Longest sequence any allowed group can hold."""
+        cp = self.max_group_size
+        return cp * self.capacity if cp == 1 else (cp * self.capacity // (2 * cp)) * 2 * cp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world": self.world,
+            "ranks_per_node": self.ranks_per_node,
+            "capacity": self.capacity,
+            "group_sizes": list(self.group_sizes),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """Sequence ids (indices into ``StepPlan.lengths``) packed into one forward+backward."""
+
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Ranks ``[start, start + size)`` running ``microbatches`` one after another at CP = size."""
+
+    start: int
+    size: int
+    microbatches: tuple[MicroBatch, ...]
+
+    @property
+    def ranks(self) -> range:
+        return range(self.start, self.start + self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class Wave:
+    """Disjoint groups running concurrently; a synchronisation point follows."""
+
+    groups: tuple[Group, ...]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One global batch: its sequence lengths, the topology and the waves that cover it.
+
+    ``stats`` carries what produced the plan (policy, solver status, timings, predicted seconds,
+    lower bound); it is informational and not part of the rules.
+    ``sample_ids`` optionally maps each sequence id to the caller's sample index (dataset row).
+    """
+
+    topology: Topology
+    lengths: tuple[int, ...]
+    waves: tuple[Wave, ...]
+    policy: str = ""
+    sample_ids: tuple[int, ...] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------- traversal
+    def microbatches(self) -> Iterator[tuple[int, Group, MicroBatch]]:
+        """Yield (wave index, group, micro-batch) in execution order."""
+        for w, wave in enumerate(self.waves):
+            for group in wave.groups:
+                for mb in group.microbatches:
+                    yield w, group, mb
+
+    def cp_of_sequences(self) -> dict[int, int]:
+        """CP size each sequence runs at."""
+        return {i: g.size for _, g, mb in self.microbatches() for i in mb.seq_ids}
+
+    # ----------------------------------------------------------------------------- rules
+    def validate(self) -> None:
+        """Check every invariant of the contract; raise PlanError naming the first broken rule."""
+        n = len(self.lengths)
+        bad_len = [i for i, s in enumerate(self.lengths) if int(s) < 1]
+        if bad_len:
+            raise PlanError("lengths", f"sequence lengths must be >= 1; ids {bad_len}", bad_len)
+        if self.sample_ids is not None and len(self.sample_ids) != n:
+            raise PlanError(
+                "sample-ids", f"{len(self.sample_ids)} sample ids for {n} sequences", ()
+            )
+        if not self.waves and n:
+            raise PlanError("exactly-once", f"no waves but {n} sequences", range(n))
+        seen: dict[int, int] = {}
+        dup: list[int] = []
+        unknown: list[int] = []
+        for w, wave in enumerate(self.waves):
+            if not wave.groups:
+                raise PlanError("empty-wave", f"wave {w} has no groups", (w,))
+            used: dict[int, int] = {}
+            for group in wave.groups:
+                self._check_group(w, group, used)
+                for m, mb in enumerate(group.microbatches):
+                    self._check_microbatch(w, group, m, mb)
+                    for i in mb.seq_ids:
+                        if not 0 <= i < n:
+                            unknown.append(i)
+                        elif i in seen:
+                            dup.append(i)
+                        else:
+                            seen[i] = group.size
+        if unknown:
+            raise PlanError(
+                "exactly-once", f"unknown sequence ids {sorted(unknown)} (valid: 0..{n - 1})",
+                sorted(unknown),
+            )
+        if dup:
+            raise PlanError("exactly-once", f"sequences scheduled twice: {sorted(dup)}", sorted(dup))
+        missing = [i for i in range(n) if i not in seen]
+        if missing:
+            raise PlanError("exactly-once", f"sequences never scheduled: {missing}", missing)
+
+    def _check_group(self, w: int, group: Group, used: dict[int, int]) -> None:
+        topo = self.topology
+        if group.size not in topo.group_sizes:
+            raise PlanError(
+                "group-size",
+                f"wave {w}: group at rank {group.start} has size {group.size}; "
+                f"allowed sizes are {list(topo.group_sizes)}",
+                (group.start,),
+            )
+        if group.start % group.size or not 0 <= group.start <= topo.world - group.size:
+            raise PlanError(
+                "group-alignment",
+                f"wave {w}: group of size {group.size} starts at rank {group.start}; it must start "
+                f"at a multiple of {group.size} within world {topo.world}",
+                (group.start,),
+            )
+        clash = [r for r in group.ranks if r in used]
+        if clash:
+            raise PlanError(
+                "wave-disjoint",
+                f"wave {w}: ranks {clash} are in both the group at {used[clash[0]]} and the group "
+                f"at {group.start}",
+                clash,
+            )
+        for r in group.ranks:
+            used[r] = group.start
+        if not group.microbatches:
+            raise PlanError(
+                "empty-group", f"wave {w}: group at rank {group.start} has no micro-batches",
+                (group.start,),
+            )
+
+    def _check_microbatch(self, w: int, group: Group, m: int, mb: MicroBatch) -> None:
+        topo = self.topology
+        where = f"wave {w}, group at rank {group.start} (cp={group.size}), micro-batch {m}"
+        if not mb.seq_ids:
+            raise PlanError("empty-microbatch", f"{where} is empty", ())
+        valid = [i for i in mb.seq_ids if 0 <= i < len(self.lengths)]
+        lengths = [self.lengths[i] for i in valid]
+        too_small = [
+            i for i, s in zip(valid, lengths)
+            if (need := topo.min_cp(s)) is None or need > group.size
+        ]
+        if too_small:
+            needs = {i: topo.min_cp(self.lengths[i]) for i in too_small}
+            raise PlanError(
+                "min-cp",
+                f"{where}: sequences {too_small} need CP sizes {needs} (None: no allowed size "
+                f"holds them at capacity {topo.capacity})",
+                too_small,
+            )
+        tokens = topo.memory_tokens(lengths, group.size)
+        if tokens > topo.capacity:
+            raise PlanError(
+                "capacity",
+                f"{where}: {tokens} padded tokens per rank exceed capacity {topo.capacity} "
+                f"(sequences {list(mb.seq_ids)})",
+                mb.seq_ids,
+            )
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "topology": self.topology.to_dict(),
+            "policy": self.policy,
+            "lengths": [int(s) for s in self.lengths],
+            "sample_ids": None if self.sample_ids is None else [int(i) for i in self.sample_ids],
+            "waves": [
+                [
+                    {
+                        "start": g.start,
+                        "size": g.size,
+                        "microbatches": [[int(i) for i in mb.seq_ids] for mb in g.microbatches],
+                    }
+                    for g in wave.groups
+                ]
+                for wave in self.waves
+            ],
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepPlan:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version {version!r} not supported (expected 1)")
+        try:
+            topo = Topology(**data["topology"])
+            waves = tuple(
+                Wave(
+                    tuple(
+                        Group(
+                            int(g["start"]),
+                            int(g["size"]),
+                            tuple(MicroBatch(tuple(int(i) for i in mb)) for mb in g["microbatches"]),
+                        )
+                        for g in wave
+                    )
+                )
+                for wave in data["waves"]
+            )
+            sample_ids = data.get("sample_ids")
+            return cls(
+                topology=topo,
+                lengths=tuple(int(s) for s in data["lengths"]),
+                waves=waves,
+                policy=str(data.get("policy", "")),
+                sample_ids=None if sample_ids is None else tuple(int(i) for i in sample_ids),
+                stats=dict(data.get("stats", {})),
+            )
+        except KeyError as exc:
+            raise ValueError(f"plan JSON is missing field {exc.args[0]!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepPlan:
+        return cls.from_dict(json.loads(text))

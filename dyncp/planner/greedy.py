@@ -1,0 +1,252 @@
+"""dyncp's greedy constructor: a good plan in milliseconds, driven by the real cost model.
+
+The structure of a good plan matters more than where each short sequence goes
+(notes/planner-findings.md), so the constructor decides the structure first:
+
+1. CP size per sequence: the allowed size >= its minimum with the fewest rank-seconds under the
+   cost model (usually the minimum: rings cost communication and short blocks), raised while the
+   sequence alone would outlast the ideal step (total work / W) and a larger group is faster.
+2. Long sequences (CP > 1) become groups: per CP size, first-fit-decreasing by predicted seconds
+   into groups of at most a level M (a group runs its sequences one after another); groups are
+   laid into waves of W ranks, largest first, so the blocks stay aligned.
+3. Short sequences (CP 1) are "sand": each goes, longest first, to the free rank of a long wave
+   with the most room left under that wave's level (free ranks cost nothing extra there), and
+   otherwise to a final wave of W single ranks, balanced by LPT.
+4. Every rank's or group's sequences are packed first-fit-decreasing into micro-batches within
+   capacity.
+
+A few structures are built (CP boost 0/1/2 for the long sequences; M = the longest sequence's
+time, or the smallest M that fits all long groups in one wave) and the fastest under the exact
+cost model is returned. Deterministic: no randomness, ties broken by index.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.model import CostModel
+from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
+from dyncp.planner.bound import min_cp_sizes
+from dyncp.planner.packing import lpt, pack_ffd, place_groups
+
+__all__ = ["greedy_plan", "GreedyConstructor"]
+
+_INF = float("inf")
+# (stretch, boost) structures tried: how far a long sequence may outlast the ideal step before it
+# gets a larger group, and how many times all long sequences' CP sizes are doubled.
+STRUCTURES = ((1.0, 0), (0.5, 0), (0.25, 0), (1.0, 1), (1.0, 2))
+
+
+class GreedyConstructor:
+    """Builds candidate plans for one batch; ``best()`` returns the fastest.
+
+    Args:
+        lengths: sequence lengths of the step.
+        topology: ranks and capacity.
+        model: the cost model used both to choose and to price.
+        structures: (stretch, boost) pairs tried, see ``choose_sizes``.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        topology: Topology,
+        model: CostModel,
+        structures: tuple[tuple[float, int], ...] = STRUCTURES,
+    ) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.topology = topology
+        self.model = model
+        self.structures = structures
+        self.sizes = np.asarray(topology.group_sizes, dtype=np.int64)
+        n = len(self.lengths)
+        self.min_cp = min_cp_sizes(self.lengths, topology) if n else np.zeros(0, np.int64)
+        # seconds[k, i]: what sequence i adds to its micro-batch at size sizes[k] (inf: too small),
+        # including its share of the per-micro-batch constant.
+        self.seconds = np.full((len(self.sizes), n), _INF)
+        for k, cp in enumerate(self.sizes):
+            ok = self.min_cp <= cp
+            if ok.any():
+                share = CostModel.padded(int(cp), self.lengths[ok]) / (cp * topology.capacity)
+                self.seconds[k, ok] = (
+                    model.marginal_seconds(int(cp), self.lengths[ok])
+                    + share * model.microbatch_overhead
+                )
+
+    # ------------------------------------------------------------------------------ step 1
+    def choose_sizes(self, stretch: float, boost: int = 0) -> np.ndarray:
+        """Index into ``sizes`` of each sequence's CP size.
+
+        Cheapest rank-seconds first; then a sequence alone longer than ``stretch`` x the ideal
+        step (total work / W) moves to the next size while that is faster; ``boost`` doubles the
+        CP size of every long sequence that many times.
+        """
+        n = len(self.lengths)
+        cols = np.arange(n)
+        rank_seconds = self.seconds * self.sizes[:, None]
+        k = np.argmin(rank_seconds, axis=0)
+        limit = stretch * rank_seconds[k, cols].sum() / self.topology.world
+        top = len(self.sizes) - 1
+        for _ in range(top):
+            nxt = np.minimum(k + 1, top)
+            now = self.seconds[k, cols]
+            grow = (now > limit) & (self.seconds[nxt, cols] < now)
+            if not grow.any():
+                break
+            k = np.where(grow, nxt, k)
+        if boost:
+            long = self.sizes[k] > 1
+            k = np.where(long, np.minimum(k + boost, top), k)
+        return k
+
+    # ------------------------------------------------------------------------------ step 2
+    def long_groups(self, k: np.ndarray, level: float) -> list[tuple[int, list[int], float]]:
+        """(size, sequence ids, seconds) of groups of long sequences filled up to ``level``."""
+        groups: list[tuple[int, list[int], float]] = []
+        cols = np.arange(len(k))
+        t = self.seconds[k, cols]
+        for kk in sorted(set(k[self.sizes[k] > 1].tolist()), reverse=True):
+            ids = sorted(np.flatnonzero(k == kk).tolist(), key=lambda i: (-t[i], i))
+            bins: list[list[int]] = []
+            loads: list[float] = []
+            for i in ids:
+                for b, load in enumerate(loads):
+                    if load + t[i] <= level:
+                        bins[b].append(i)
+                        loads[b] += t[i]
+                        break
+                else:
+                    bins.append([i])
+                    loads.append(t[i])
+            groups += [(int(self.sizes[kk]), b, load) for b, load in zip(bins, loads)]
+        return groups
+
+    def _waves_needed(self, groups: list[tuple[int, list[int], float]]) -> int:
+        ranks = sum(size for size, _, _ in groups)
+        return -(-ranks // self.topology.world)
+
+    def levels(self, k: np.ndarray) -> list[float]:
+        """Group levels worth trying: the longest sequence, and the least that needs one wave."""
+        cols = np.arange(len(k))
+        long = self.sizes[k] > 1
+        if not long.any():
+            return [0.0]
+        t = self.seconds[k, cols][long]
+        lo, hi = float(t.max()), float(t.sum())
+        out = [lo]
+        if self._waves_needed(self.long_groups(k, lo)) > 1:
+            if self._waves_needed(self.long_groups(k, hi)) == 1:
+                for _ in range(30):
+                    mid = 0.5 * (lo + hi)
+                    if self._waves_needed(self.long_groups(k, mid)) == 1:
+                        hi = mid
+                    else:
+                        lo = mid
+                out.append(hi)
+        return out
+
+    # ------------------------------------------------------------------------------ steps 3-4
+    def build(self, k: np.ndarray, level: float) -> StepPlan:
+        topo = self.topology
+        world = topo.world
+        cols = np.arange(len(k))
+        t = self.seconds[k, cols]
+        groups = self.long_groups(k, level) if level > 0 else []
+        # Lay groups into waves: first fit by decreasing size (power-of-two sizes pack exactly).
+        wave_groups: list[list[tuple[int, list[int], float]]] = []
+        wave_used: list[int] = []
+        for g in sorted(groups, key=lambda g: (-g[0], -g[2], g[1][0])):
+            for w, used in enumerate(wave_used):
+                if used + g[0] <= world:
+                    wave_groups[w].append(g)
+                    wave_used[w] += g[0]
+                    break
+            else:
+                wave_groups.append([g])
+                wave_used.append(g[0])
+        # Sand: spare time under each long wave's level, on its free ranks (at CP 1) and in its
+        # long groups (at their CP size: dearer, but those ranks would idle), most room first;
+        # what does not fit goes to a final wave of single ranks.
+        bins: list[tuple[float, int, int]] = []  # (-room, wave, slot)
+        bin_size: list[list[int]] = []
+        bin_items: list[list[list[int]]] = []
+        for w, gs in enumerate(wave_groups):
+            lvl = max(g[2] for g in gs)
+            sizes = [g[0] for g in gs] + [1] * (world - wave_used[w])
+            rooms = [lvl - g[2] for g in gs] + [lvl] * (world - wave_used[w])
+            bin_size.append(sizes)
+            bin_items.append([[] for _ in sizes])
+            bins += [(-room, w, b) for b, room in enumerate(rooms) if room > 0]
+        heapq.heapify(bins)
+        index = {int(c): kk for kk, c in enumerate(self.sizes)}
+        sand = np.flatnonzero(self.sizes[k] == 1).tolist()
+        sand.sort(key=lambda i: (-t[i], i))
+        rest: list[int] = []
+        for i in sand:
+            placed = False
+            if bins:
+                room, w, b = bins[0]
+                cost = self.seconds[index[bin_size[w][b]], i]
+                if cost <= -room:
+                    heapq.heapreplace(bins, (room + cost, w, b))
+                    bin_items[w][b].append(i)
+                    placed = True
+            if not placed:
+                rest.append(i)
+        waves = []
+        for w, gs in enumerate(wave_groups):
+            spec = [
+                (size, pack_ffd(ids + bin_items[w][b], self.lengths, size, topo))
+                for b, (size, ids, _) in enumerate(gs)
+            ]
+            spec += [
+                (1, pack_ffd(ids, self.lengths, 1, topo))
+                for ids in bin_items[w][len(gs) :]
+                if ids
+            ]
+            waves.append(Wave(place_groups(spec, topo)))
+        if rest:
+            owner = lpt([t[i] for i in rest], world)
+            per_rank: list[list[int]] = [[] for _ in range(world)]
+            for j, i in enumerate(rest):
+                per_rank[owner[j]].append(i)
+            final = tuple(
+                Group(r, 1, tuple(MicroBatch(tuple(mb)) for mb in pack_ffd(ids, self.lengths, 1, topo)))
+                for r, ids in enumerate(per_rank)
+                if ids
+            )
+            waves.append(Wave(final))
+        return StepPlan(topo, tuple(int(s) for s in self.lengths), tuple(waves), policy="dyncp")
+
+    def candidates(self) -> list[StepPlan]:
+        seen: set[bytes] = set()
+        out = []
+        for stretch, boost in self.structures:
+            k = self.choose_sizes(stretch, boost)
+            key = k.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            for level in self.levels(k):
+                out.append(self.build(k, level))
+        return out
+
+    def best(self) -> StepPlan:
+        """The fastest candidate under the cost model (first one on ties)."""
+        if len(self.lengths) == 0:
+            return StepPlan(self.topology, (), (), policy="dyncp")
+        best: tuple[float, StepPlan] | None = None
+        for plan in self.candidates():
+            seconds = evaluate_plan(plan, self.model).step_seconds
+            if best is None or seconds < best[0]:
+                best = (seconds, plan)
+        assert best is not None
+        return best[1]
+
+
+def greedy_plan(lengths: np.ndarray, topology: Topology, model: CostModel) -> StepPlan:
+    """dyncp's greedy plan for one step (see the module docstring)."""
+    return GreedyConstructor(lengths, topology, model).best()

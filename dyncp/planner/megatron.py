@@ -1,0 +1,149 @@
+"""The Megatron Core dynamic-CP scheduler, re-implemented as a baseline.
+
+Behaviour follows Megatron Core's packing-aware dynamic-CP greedy (``next_hdp_group_packing_aware``
+in megatron/core/datasets/data_schedule_utils.py); the code is dyncp's own. Per wave (Megatron: one
+"DCP micro-batch"):
+
+1. sequences are taken longest first; the longest remaining opens a group at its minimum CP size
+   (next power of two of length / capacity);
+2. each further sequence tries every allowed size >= its minimum: joining an existing group of that
+   size whose packed tokens per rank still fit, or opening a new group on free ranks; the option
+   with the smallest resulting maximum rank workload wins, where workload = len^2 / cp -- the only
+   cost Megatron knows -- provided it stays under ``tall * capacity * 1.05`` (tall: the longest
+   sequence of the wave); otherwise the sequence waits for a later wave;
+3. while ranks stay idle, the first group of the smallest size doubles (its work spread over
+   twice the ranks); if no group can grow, the wave becomes one group of all ranks packing what
+   fits and the rest waits.
+
+Each group runs one packed micro-batch per wave; waves repeat until every sequence is placed.
+Differences from Megatron, forced by dyncp's plan contract: memory counts zigzag padding (a
+multiple of 2c per sequence, so plans validate), and groups are laid out on aligned blocks
+(Megatron uses contiguous, possibly unaligned, ranks; the sizes and the work are the same).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dyncp.plan import StepPlan, Topology, Wave
+from dyncp.planner.bound import min_cp_sizes
+from dyncp.planner.packing import place_groups
+
+__all__ = ["megatron_plan", "WORKLOAD_CAP_DELTA"]
+
+WORKLOAD_CAP_DELTA = 0.05
+
+
+class _WaveGroup:
+    __slots__ = ("size", "ids", "tokens", "load")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.ids: list[int] = []
+        self.tokens = 0  # padded tokens of the pack
+        self.load = 0.0  # len^2 / cp summed, identical on every member rank
+
+
+def _padded(length: int, cp: int) -> int:
+    return length if cp == 1 else -(-length // (2 * cp)) * 2 * cp
+
+
+def _form_wave(
+    order: list[int], lengths: np.ndarray, min_cp: np.ndarray, topology: Topology
+) -> tuple[list[_WaveGroup], list[int]]:
+    """One wave from ``order`` (longest first); returns its groups and the leftover ids."""
+    cap_tokens = topology.capacity
+    world = topology.world
+    sizes = topology.group_sizes
+    tall = int(lengths[order[0]])
+    cap = tall * cap_tokens * (1.0 + WORKLOAD_CAP_DELTA)
+
+    first = order[0]
+    g0 = _WaveGroup(int(min_cp[first]))
+    g0.ids.append(first)
+    g0.tokens = _padded(tall, g0.size)
+    g0.load = tall * tall / g0.size
+    groups = [g0]
+    free = world - g0.size
+    peak = g0.load
+    leftovers: list[int] = []
+
+    for i in order[1:]:
+        s = int(lengths[i])
+        best: tuple[float, int, _WaveGroup | None] | None = None
+        for cp in sizes:
+            if cp < min_cp[i]:
+                continue
+            work = s * s / cp
+            pad = _padded(s, cp)
+            for g in groups:
+                if g.size != cp or g.tokens + pad > cp * cap_tokens:
+                    continue
+                projected = max(peak, g.load + work)
+                if projected <= cap and (best is None or projected < best[0]):
+                    best = (projected, cp, g)
+            if free >= cp:
+                projected = max(peak, work)
+                if projected <= cap and (best is None or projected < best[0]):
+                    best = (projected, cp, None)
+        if best is None:
+            leftovers.append(i)
+            continue
+        projected, cp, g = best
+        if g is None:
+            g = _WaveGroup(cp)
+            groups.append(g)
+            free -= cp
+        g.ids.append(i)
+        g.tokens += _padded(s, cp)
+        g.load += s * s / cp
+        peak = projected
+
+    while free > 0:
+        smallest = min(g.size for g in groups)
+        bigger = [c for c in sizes if c > smallest]
+        grown = False
+        if bigger and bigger[0] - smallest <= free:
+            new = bigger[0]
+            for g in groups:
+                if g.size != smallest:
+                    continue
+                if sum(_padded(int(lengths[i]), new) for i in g.ids) > new * cap_tokens:
+                    continue
+                g.size, g.tokens = new, sum(_padded(int(lengths[i]), new) for i in g.ids)
+                g.load = sum(int(lengths[i]) ** 2 / new for i in g.ids)
+                free -= new - smallest
+                grown = True
+                break
+        if not grown:
+            return _full_world_wave(order, lengths, topology)
+    return groups, leftovers
+
+
+def _full_world_wave(
+    order: list[int], lengths: np.ndarray, topology: Topology
+) -> tuple[list[_WaveGroup], list[int]]:
+    """Fallback: one group of all ranks takes, longest first, whatever fits."""
+    world = topology.world
+    g = _WaveGroup(world)
+    leftovers = []
+    for i in order:
+        pad = _padded(int(lengths[i]), world)
+        if g.tokens + pad <= world * topology.capacity:
+            g.ids.append(i)
+            g.tokens += pad
+        else:
+            leftovers.append(i)
+    return [g], leftovers
+
+
+def megatron_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
+    """Plan a step the way Megatron Core's dynamic-CP scheduler would."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    min_cp = min_cp_sizes(lengths, topology)
+    remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    waves = []
+    while remaining:
+        groups, remaining = _form_wave(remaining, lengths, min_cp, topology)
+        waves.append(Wave(place_groups([(g.size, [g.ids]) for g in groups], topology)))
+    return StepPlan(topology, tuple(int(s) for s in lengths), tuple(waves), policy="megatron")
