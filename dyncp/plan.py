@@ -218,11 +218,14 @@ class StepPlan:
                             seen[i] = group.size
         if unknown:
             raise PlanError(
-                "exactly-once", f"unknown sequence ids {sorted(unknown)} (valid: 0..{n - 1})",
+                "exactly-once",
+                f"unknown sequence ids {sorted(unknown)} (valid: 0..{n - 1})",
                 sorted(unknown),
             )
         if dup:
-            raise PlanError("exactly-once", f"sequences scheduled twice: {sorted(dup)}", sorted(dup))
+            raise PlanError(
+                "exactly-once", f"sequences scheduled twice: {sorted(dup)}", sorted(dup)
+            )
         missing = [i for i in range(n) if i not in seen]
         if missing:
             raise PlanError("exactly-once", f"sequences never scheduled: {missing}", missing)
@@ -255,7 +258,8 @@ class StepPlan:
             used[r] = group.start
         if not group.microbatches:
             raise PlanError(
-                "empty-group", f"wave {w}: group at rank {group.start} has no micro-batches",
+                "empty-group",
+                f"wave {w}: group at rank {group.start} has no micro-batches",
                 (group.start,),
             )
 
@@ -267,7 +271,8 @@ class StepPlan:
         valid = [i for i in mb.seq_ids if 0 <= i < len(self.lengths)]
         lengths = [self.lengths[i] for i in valid]
         too_small = [
-            i for i, s in zip(valid, lengths)
+            i
+            for i, s in zip(valid, lengths)
             if (need := topo.min_cp(s)) is None or need > group.size
         ]
         if too_small:
@@ -322,7 +327,9 @@ class StepPlan:
                         Group(
                             int(g["start"]),
                             int(g["size"]),
-                            tuple(MicroBatch(tuple(int(i) for i in mb)) for mb in g["microbatches"]),
+                            tuple(
+                                MicroBatch(tuple(int(i) for i in mb)) for mb in g["microbatches"]
+                            ),
                         )
                         for g in wave
                     )

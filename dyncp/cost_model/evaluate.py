@@ -32,7 +32,9 @@ class PlanCost:
 
     @property
     def efficiency(self) -> float:
-        return float(self.rank_busy_seconds.mean()) / self.step_seconds if self.step_seconds else 1.0
+        return (
+            float(self.rank_busy_seconds.mean()) / self.step_seconds if self.step_seconds else 1.0
+        )
 
 
 def evaluate_plan(plan: StepPlan, model: CostModel) -> PlanCost:

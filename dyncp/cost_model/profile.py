@@ -10,8 +10,15 @@ Two attention forms share one schema:
 - ``table``: measured forward+backward seconds of one causal sequence at CP size 1, by length,
   interpolated in log-log space (the form the profiler and the H100 reference produce);
 - ``quadratic``: ``alpha * s**2 + beta * s`` seconds, coefficients given directly, so published
-  analytic cost models (FlexSP-style ``(alpha s^2 + beta s)/c + bytes/bandwidth(c) + const``)
-  plug in without measurements.
+  analytic cost models plug in without measurements.
+
+At CP size c a rank runs c ring steps over p/c local tokens, so attention costs it
+``alpha * s^2 / c + beta * s`` (``beta`` is a per-step, per-query-token cost), while
+``linear_seconds_per_token`` is divided by c. A published model of the form
+``(alpha s^2 + beta s) / c + bytes / bandwidth(c) + const`` therefore maps to: attention
+``alpha`` with ``beta = 0``, ``linear_seconds_per_token = beta``, ``communication.overlap = false``
+(bytes per token in ``kv_bytes_per_token``, links by node) and ``overheads.microbatch_seconds =
+const``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Build ``profiles/h100-reference.json`` from the measured H100 data in ../shared/reference.
 
-    python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca \
-        --out profiles/h100-reference.json
+    python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca
+    python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca --analytic
 
 Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
 
@@ -30,7 +30,16 @@ __all__ = ["build_reference_profile"]
 
 # A Llama-3-8B-like shape (Meta Llama 3 model card: 32 layers, hidden 4096, 32 heads, 8 KV heads,
 # FFN 14336, vocabulary 128256).
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, BYTES = 32, 4096, 32, 8, 128, 14336, 128256, 2
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, BYTES = (
+    32,
+    4096,
+    32,
+    8,
+    128,
+    14336,
+    128256,
+    2,
+)
 
 BWD_FWD_RATIO = 2.5
 GEMM_FLOPS = 400e12
@@ -45,8 +54,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def _fit_attention(src: Path) -> tuple[list[int], list[float], float, float]:
-    """Forward table of the 32-head shape and its fitted fixed cost k0 (seconds, fwd)."""
+def _fit_attention(src: Path) -> tuple[list[int], list[float], np.ndarray, float]:
+    """Forward table of the 32-head shape and its fit (a, b, k0): fwd = a s^2 + b s + k0."""
     rows = [r for r in _rows(src / "compute-attn-H100.csv") if r["cp"] == "1" and r["tp"] == "2"]
     lengths = np.array([int(r["L"]) for r in rows])
     fwd = np.array([float(r["duration_per_doc"]) for r in rows]) * 1e-3
@@ -55,9 +64,9 @@ def _fit_attention(src: Path) -> tuple[list[int], list[float], float, float]:
     # fwd(s) = a s^2 + b s + k0, non-negative, least squares on relative error.
     basis = np.stack([lengths.astype(float) ** 2, lengths.astype(float), np.ones(len(lengths))], 1)
     coef, _ = nnls(basis / fwd[:, None], np.ones(len(fwd)))
-    k0 = min(coef[2], 0.9 * fwd.min())
+    coef[2] = min(coef[2], 0.9 * fwd.min())
     rel = np.abs(basis @ coef - fwd) / fwd
-    return lengths.tolist(), fwd.tolist(), float(k0), float(rel.max())
+    return lengths.tolist(), fwd.tolist(), coef, float(rel.max())
 
 
 def _fit_nvlink(src: Path) -> tuple[float, float, float]:
@@ -72,8 +81,10 @@ def _fit_nvlink(src: Path) -> tuple[float, float, float]:
     return float(coef[0]), float(1.0 / coef[1]), float(rel.max())
 
 
-def build_reference_profile(src: Path) -> Profile:
-    lengths, fwd, k0, attn_err = _fit_attention(src)
+def build_reference_profile(src: Path, analytic: bool = False) -> Profile:
+    """The reference profile; ``analytic`` swaps the measured table for its quadratic fit."""
+    lengths, fwd, coef, attn_err = _fit_attention(src)
+    k0 = float(coef[2])
     latency, bandwidth, nccl_err = _fit_nvlink(src)
     scale = 1.0 + BWD_FWD_RATIO
     per_layer_params = HIDDEN * (2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM) + 3 * HIDDEN * FFN
@@ -143,8 +154,9 @@ def build_reference_profile(src: Path) -> Profile:
                 },
             ],
             "notes": [
-                f"attention fwd fit a*s^2+b*s+k0: k0={k0:.3e} s (the per-call fixed cost), max "
-                f"relative error {attn_err:.1%}; the table itself is used, not the fit",
+                f"attention fwd fit a*s^2+b*s+k0: a={coef[0]:.3e}, b={coef[1]:.3e}, "
+                f"k0={k0:.3e} s (the "
+                f"per-call fixed cost), max relative error {attn_err:.1%}",
                 f"NVLink ring step fit over all_gather 2/4/8 GPUs: latency {latency:.2e} s, "
                 f"bandwidth {bandwidth / 1e9:.1f} GB/s, max relative error {nccl_err:.1%}",
                 "seconds = measured forward x (1 + backward/forward ratio), per layer",
@@ -181,17 +193,38 @@ def build_reference_profile(src: Path) -> Profile:
         },
         "overheads": {"microbatch_seconds": MICROBATCH_SECONDS, "wave_seconds": WAVE_SECONDS},
     }
+    if analytic:
+        data["name"] = "h100-analytic"
+        data["description"] = (
+            "The h100-reference profile in analytic form: attention alpha*s^2 + beta*s fitted to "
+            "the measured table, communication not overlapped with compute."
+        )
+        data["provenance"]["method"] += " --analytic"
+        data["attention"] = {
+            "form": "quadratic",
+            "alpha": float(coef[0]) * scale,
+            "beta": float(coef[1]) * scale,
+            "step_overhead_seconds": k0 * scale,
+            "backward_forward_ratio": BWD_FWD_RATIO,
+        }
+        data["communication"]["overlap"] = False
     return Profile.model_validate(data)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=Path("../shared/reference/h100-distca"))
-    parser.add_argument("--out", type=Path, default=Path("profiles/h100-reference.json"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--analytic", action="store_true", help="write the quadratic fit instead of the table"
+    )
     args = parser.parse_args(argv)
+    if args.out is None:
+        name = "h100-analytic" if args.analytic else "h100-reference"
+        args.out = Path("profiles") / f"{name}.json"
     if not (args.src / "nccl_perf.csv").exists():
         parser.error(f"--src {args.src} does not hold the DistCA reference CSVs")
-    profile = build_reference_profile(args.src)
+    profile = build_reference_profile(args.src, analytic=args.analytic)
     args.out.write_text(profile.to_json())
     print(f"wrote {args.out}")
 

@@ -5,19 +5,22 @@ The structure of a good plan matters more than where each short sequence goes
 
 1. CP size per sequence: the allowed size >= its minimum with the fewest rank-seconds under the
    cost model (usually the minimum: rings cost communication and short blocks), raised while the
-   sequence alone would outlast the ideal step (total work / W) and a larger group is faster.
+   sequence alone would outlast ``stretch`` x the ideal step (total work / W) and a larger group
+   is faster.
 2. Long sequences (CP > 1) become groups: per CP size, first-fit-decreasing by predicted seconds
    into groups of at most a level M (a group runs its sequences one after another); groups are
    laid into waves of W ranks, largest first, so the blocks stay aligned.
-3. Short sequences (CP 1) are "sand": each goes, longest first, to the free rank of a long wave
-   with the most room left under that wave's level (free ranks cost nothing extra there), and
-   otherwise to a final wave of W single ranks, balanced by LPT.
+3. Short sequences (CP 1) are "sand", poured longest first into the spare time under each long
+   wave's level -- on its free ranks at CP 1, and in its long groups at their CP size (dearer, but
+   those ranks would idle) -- always where the most room is left; what does not fit goes to a
+   final wave of W single ranks, balanced by LPT.
 4. Every rank's or group's sequences are packed first-fit-decreasing into micro-batches within
    capacity.
 
-A few structures are built (CP boost 0/1/2 for the long sequences; M = the longest sequence's
-time, or the smallest M that fits all long groups in one wave) and the fastest under the exact
-cost model is returned. Deterministic: no randomness, ties broken by index.
+A few structures are built (``STRUCTURES``: stretch 1, 1/2, 1/4, and CP doubled once or twice for
+all long sequences; M = the longest sequence's time, or the smallest M that fits all long groups
+in one wave) and the fastest under the exact cost model is returned. Deterministic: no
+randomness, ties broken by index.
 """
 
 from __future__ import annotations
@@ -137,15 +140,15 @@ class GreedyConstructor:
         t = self.seconds[k, cols][long]
         lo, hi = float(t.max()), float(t.sum())
         out = [lo]
-        if self._waves_needed(self.long_groups(k, lo)) > 1:
-            if self._waves_needed(self.long_groups(k, hi)) == 1:
-                for _ in range(30):
-                    mid = 0.5 * (lo + hi)
-                    if self._waves_needed(self.long_groups(k, mid)) == 1:
-                        hi = mid
-                    else:
-                        lo = mid
-                out.append(hi)
+        one_wave = self._waves_needed(self.long_groups(k, hi)) == 1
+        if one_wave and self._waves_needed(self.long_groups(k, lo)) > 1:
+            for _ in range(30):
+                mid = 0.5 * (lo + hi)
+                if self._waves_needed(self.long_groups(k, mid)) == 1:
+                    hi = mid
+                else:
+                    lo = mid
+            out.append(hi)
         return out
 
     # ------------------------------------------------------------------------------ steps 3-4
@@ -203,9 +206,7 @@ class GreedyConstructor:
                 for b, (size, ids, _) in enumerate(gs)
             ]
             spec += [
-                (1, pack_ffd(ids, self.lengths, 1, topo))
-                for ids in bin_items[w][len(gs) :]
-                if ids
+                (1, pack_ffd(ids, self.lengths, 1, topo)) for ids in bin_items[w][len(gs) :] if ids
             ]
             waves.append(Wave(place_groups(spec, topo)))
         if rest:
@@ -214,7 +215,11 @@ class GreedyConstructor:
             for j, i in enumerate(rest):
                 per_rank[owner[j]].append(i)
             final = tuple(
-                Group(r, 1, tuple(MicroBatch(tuple(mb)) for mb in pack_ffd(ids, self.lengths, 1, topo)))
+                Group(
+                    r,
+                    1,
+                    tuple(MicroBatch(tuple(mb)) for mb in pack_ffd(ids, self.lengths, 1, topo)),
+                )
                 for r, ids in enumerate(per_rank)
                 if ids
             )

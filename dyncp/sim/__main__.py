@@ -21,8 +21,14 @@ from tqdm import tqdm
 
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.profile import ProfileError, bundled_profiles
-from dyncp.datasets import BUNDLED, DEFAULT_DATASET, DatasetError, describe, load_lengths
-from dyncp.datasets import resolve_dataset
+from dyncp.datasets import (
+    BUNDLED,
+    DEFAULT_DATASET,
+    DatasetError,
+    describe,
+    load_lengths,
+    resolve_dataset,
+)
 from dyncp.planner.planner import POLICIES, Planner
 from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batches, replay
 from dyncp.sim.report import format_table, summarise
@@ -44,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a length distribution and compare CP scheduling policies.",
     )
     p.add_argument(
-        "--dataset", default=DEFAULT_DATASET,
+        "--dataset",
+        default=DEFAULT_DATASET,
         help=f"bundled sample ({', '.join(BUNDLED)}) or a file: .parquet .csv .jsonl .txt .npy "
         f"(default: {DEFAULT_DATASET})",
     )
@@ -52,29 +59,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=_positive, default=64, help="DP x CP ranks (default 64)")
     p.add_argument("--ranks-per-node", type=_positive, default=8, help="(default 8)")
     p.add_argument(
-        "--capacity", type=_positive, default=8192,
+        "--capacity",
+        type=_positive,
+        default=8192,
         help="tokens per rank per micro-batch, after zigzag padding (default 8192)",
     )
     batch = p.add_mutually_exclusive_group()
     batch.add_argument(
-        "--global-batch-tokens", type=_positive, default=None,
+        "--global-batch-tokens",
+        type=_positive,
+        default=None,
         help="tokens per global batch (default: 2 x world x capacity)",
     )
     batch.add_argument("--global-batch-size", type=_positive, default=None, help="documents/step")
     p.add_argument(
-        "--max-length", type=_positive, default=131072,
+        "--max-length",
+        type=_positive,
+        default=131072,
         help="longest admitted document; sets the static policy's CP size (default 131072)",
     )
     p.add_argument(
-        "--overlong", choices=OVERLONG_ACTIONS, default="truncate",
+        "--overlong",
+        choices=OVERLONG_ACTIONS,
+        default="truncate",
         help="what to do with longer documents (reported either way; default truncate)",
     )
     p.add_argument(
-        "--profile", default="h100-reference",
+        "--profile",
+        default="h100-reference",
         help=f"bundled profile ({', '.join(bundled_profiles())}) or a profile JSON path",
     )
     p.add_argument(
-        "--policies", default=",".join(POLICIES),
+        "--policies",
+        default=",".join(POLICIES),
         help=f"comma-separated subset of {','.join(POLICIES)}",
     )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
@@ -96,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         model = CostModel.load(args.profile, args.ranks_per_node)
         planners = {
             name: Planner(
-                model, world=args.world, ranks_per_node=args.ranks_per_node,
-                capacity=args.capacity, policy=name, max_length=args.max_length,
+                model,
+                world=args.world,
+                ranks_per_node=args.ranks_per_node,
+                capacity=args.capacity,
+                policy=name,
+                max_length=args.max_length,
             )
             for name in policies
         }
@@ -116,22 +137,37 @@ def main(argv: list[str] | None = None) -> int:
         tokens = 2 * args.world * args.capacity
     batches = list(
         draw_batches(
-            lengths, steps=args.steps, seed=args.seed,
-            global_batch_tokens=tokens, global_batch_size=args.global_batch_size,
+            lengths,
+            steps=args.steps,
+            seed=args.seed,
+            global_batch_tokens=tokens,
+            global_batch_size=args.global_batch_size,
         )
     )
-    bar = tqdm(total=len(batches), desc="steps", unit="step", file=sys.stderr,
-               disable=not sys.stderr.isatty())
+    bar = tqdm(
+        total=len(batches),
+        desc="steps",
+        unit="step",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
     runs, bounds = replay(batches, planners, progress=lambda: bar.update(1))
     bar.close()
     summary = summarise(runs, bounds)
     report = {
         "config": {
-            "dataset": str(path), "world": args.world, "ranks_per_node": args.ranks_per_node,
-            "capacity": args.capacity, "global_batch_tokens": tokens,
-            "global_batch_size": args.global_batch_size, "max_length": args.max_length,
-            "overlong": args.overlong, "profile": model.name, "steps": args.steps,
-            "seed": args.seed, "policies": policies,
+            "dataset": str(path),
+            "world": args.world,
+            "ranks_per_node": args.ranks_per_node,
+            "capacity": args.capacity,
+            "global_batch_tokens": tokens,
+            "global_batch_size": args.global_batch_size,
+            "max_length": args.max_length,
+            "overlong": args.overlong,
+            "profile": model.name,
+            "steps": args.steps,
+            "seed": args.seed,
+            "policies": policies,
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),

@@ -32,7 +32,9 @@ class Admission:
     def summary(self) -> str:
         if not self.overlong_documents:
             return f"no document exceeds --max-length {self.max_length}"
-        verb = {"skip": "skipped", "truncate": "truncated", "split": "split into pieces"}[self.action]
+        verb = {"skip": "skipped", "truncate": "truncated", "split": "split into pieces"}[
+            self.action
+        ]
         return (
             f"{self.overlong_documents} documents longer than --max-length {self.max_length} "
             f"({self.overlong_tokens} tokens) were {verb}; {self.dropped_tokens} tokens dropped"
@@ -87,7 +89,8 @@ def draw_batches(
         batch: list[int] = []
         tokens = 0
         while (
-            tokens < global_batch_tokens if global_batch_tokens is not None
+            tokens < global_batch_tokens
+            if global_batch_tokens is not None
             else len(batch) < global_batch_size  # type: ignore[operator]
         ):
             if pos == len(order):
