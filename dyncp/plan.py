@@ -86,7 +86,9 @@ class Topology:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
         if not self.group_sizes:
-            sizes = tuple(1 << k for k in range(self.world.bit_length()) if 1 << k <= self.world)
+            sizes = tuple(
+                1 << k for k in range(self.world.bit_length()) if self.world % (1 << k) == 0
+            )
             object.__setattr__(self, "group_sizes", sizes)
         sizes = tuple(sorted(set(int(s) for s in self.group_sizes)))
         bad = [s for s in sizes if not _is_power_of_two(s) or s > self.world or self.world % s]
@@ -117,9 +119,11 @@ class Topology:
         return None
 
     def max_length(self) -> int:
-        """Longest sequence any allowed group can hold."""
-        cp = self.max_group_size
-        return cp * self.capacity if cp == 1 else (cp * self.capacity // (2 * cp)) * 2 * cp
+        """Longest sequence any allowed group can hold (0 if none holds even one token)."""
+        return max(
+            cp * self.capacity // (2 * cp) * 2 * cp if cp > 1 else self.capacity
+            for cp in self.group_sizes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -320,7 +324,13 @@ class StepPlan:
         if version != SCHEMA_VERSION:
             raise ValueError(f"plan schema_version {version!r} not supported (expected 1)")
         try:
-            topo = Topology(**data["topology"])
+            t = data["topology"]
+            topo = Topology(
+                int(t["world"]),
+                int(t["ranks_per_node"]),
+                int(t["capacity"]),
+                tuple(int(c) for c in t.get("group_sizes", ())),
+            )
             waves = tuple(
                 Wave(
                     tuple(
@@ -347,6 +357,8 @@ class StepPlan:
             )
         except KeyError as exc:
             raise ValueError(f"plan JSON is missing field {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"plan JSON is malformed: {exc}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

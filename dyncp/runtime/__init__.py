@@ -1,0 +1,1 @@
+"""Placeholder package: the runtime arrives with its own issue."""

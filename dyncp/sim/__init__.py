@@ -1,0 +1,1 @@
+"""Offline simulator: python -m dyncp.sim replays length distributions through the policies."""
