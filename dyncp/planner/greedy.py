@@ -31,7 +31,7 @@ import numpy as np
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
+from dyncp.plan import StepPlan, Topology, Wave
 from dyncp.planner.bound import min_cp_sizes
 from dyncp.planner.packing import lpt, pack_ffd, place_groups
 
@@ -41,6 +41,8 @@ _INF = float("inf")
 # (stretch, boost) structures tried: how far a long sequence may outlast the ideal step before it
 # gets a larger group, and how many times all long sequences' CP sizes are doubled.
 STRUCTURES = ((1.0, 0), (0.5, 0), (0.25, 0), (1.0, 1), (1.0, 2))
+# Common wave levels tried by build_level, as multiples of the ideal step.
+LEVEL_FACTORS = (1.0, 1.04, 1.08, 1.15, 1.25, 1.4, 1.7, 2.0)
 
 
 class GreedyConstructor:
@@ -199,32 +201,88 @@ class GreedyConstructor:
                     placed = True
             if not placed:
                 rest.append(i)
-        waves = []
-        for w, gs in enumerate(wave_groups):
-            spec = [
-                (size, pack_ffd(ids + bin_items[w][b], self.lengths, size, topo))
-                for b, (size, ids, _) in enumerate(gs)
-            ]
-            spec += [
-                (1, pack_ffd(ids, self.lengths, 1, topo)) for ids in bin_items[w][len(gs) :] if ids
-            ]
-            waves.append(Wave(place_groups(spec, topo)))
+        specs = [
+            [(size, ids + bin_items[w][b]) for b, (size, ids, _) in enumerate(gs)]
+            + [(1, ids) for ids in bin_items[w][len(gs) :] if ids]
+            for w, gs in enumerate(wave_groups)
+        ]
         if rest:
             owner = lpt([t[i] for i in rest], world)
             per_rank: list[list[int]] = [[] for _ in range(world)]
             for j, i in enumerate(rest):
                 per_rank[owner[j]].append(i)
-            final = tuple(
-                Group(
-                    r,
-                    1,
-                    tuple(MicroBatch(tuple(mb)) for mb in pack_ffd(ids, self.lengths, 1, topo)),
-                )
-                for r, ids in enumerate(per_rank)
-                if ids
-            )
-            waves.append(Wave(final))
-        return StepPlan(topo, tuple(int(s) for s in self.lengths), tuple(waves), policy="dyncp")
+            specs.append([(1, ids) for ids in per_rank if ids])
+        return self.assemble(specs)
+
+    def build_level(self, level: float) -> StepPlan:
+        """Every wave filled up to one common ``level`` (seconds).
+
+        Each sequence takes the smallest CP size whose time fits the level (or its fastest);
+        long sequences first-fit into groups of their size in the earliest wave with room, new
+        waves opening as needed; short ones go where the most room is left, and once nothing
+        has room, onto the least-loaded single rank (raising its wave).
+        """
+        world = self.topology.world
+        cols = np.arange(len(self.lengths))
+        fits = self.seconds <= level
+        k = np.where(fits.any(axis=0), fits.argmax(axis=0), self.seconds.argmin(axis=0))
+        t = self.seconds[k, cols]
+        size = self.sizes[k]
+        waves: list[list[list]] = []  # per wave: [size, ids, load] per group
+        free: list[int] = []
+        for i in sorted(np.flatnonzero(size > 1).tolist(), key=lambda i: (-size[i], -t[i], i)):
+            c = int(size[i])
+            home = next((g for gs in waves for g in gs if g[0] == c and g[2] + t[i] <= level), None)
+            if home is None:
+                w = next((w for w, f in enumerate(free) if f >= c), None)
+                if w is None:
+                    waves.append([])
+                    free.append(world)
+                    w = len(waves) - 1
+                home = [c, [], 0.0]
+                waves[w].append(home)
+                free[w] -= c
+            home[1].append(i)
+            home[2] += t[i]
+        sand = sorted(np.flatnonzero(size == 1).tolist(), key=lambda i: (-t[i], i))
+        if sand and not any(free):
+            waves.append([])
+            free.append(world)
+        for w, f in enumerate(free):
+            waves[w] += [[1, [], 0.0] for _ in range(f)]
+        groups = [g for gs in waves for g in gs]
+        rooms = [(g[2] - level, j) for j, g in enumerate(groups)]  # min-heap of -room
+        heapq.heapify(rooms)
+        singles = [(0.0, j) for j, g in enumerate(groups) if g[0] == 1]
+        index = {int(c): kk for kk, c in enumerate(self.sizes)}
+        for i in sand:
+            # Every update pushes a fresh entry, so entries that disagree are stale: drop them.
+            while rooms[0][0] != groups[rooms[0][1]][2] - level:
+                heapq.heappop(rooms)
+            neg_room, j = rooms[0]
+            cost = self.seconds[index[groups[j][0]], i]
+            overflow = cost > -neg_room
+            if overflow:  # no room anywhere: the least-loaded single rank takes it
+                while singles[0][0] != groups[singles[0][1]][2]:
+                    heapq.heappop(singles)
+                j = singles[0][1]
+                cost = t[i]
+            groups[j][1].append(i)
+            groups[j][2] += cost
+            heapq.heappush(rooms, (groups[j][2] - level, j))
+            if groups[j][0] == 1:
+                heapq.heappush(singles, (groups[j][2], j))
+        return self.assemble([[(g[0], g[1]) for g in gs if g[1]] for gs in waves])
+
+    def assemble(self, specs: list[list[tuple[int, list[int]]]]) -> StepPlan:
+        """A StepPlan from per-wave (CP size, sequence ids) groups: FFD micro-batches, aligned."""
+        topo = self.topology
+        waves = tuple(
+            Wave(place_groups([(c, pack_ffd(ids, self.lengths, c, topo)) for c, ids in spec], topo))
+            for spec in specs
+            if spec
+        )
+        return StepPlan(topo, tuple(int(s) for s in self.lengths), waves, policy="dyncp")
 
     def candidates(self) -> list[StepPlan]:
         seen: set[bytes] = set()
@@ -237,7 +295,16 @@ class GreedyConstructor:
             seen.add(key)
             for level in self.levels(k):
                 out.append(self.build(k, level))
+        ideal = self.ideal_seconds()
+        out += [self.build_level(ideal * f) for f in LEVEL_FACTORS]
         return out
+
+    def ideal_seconds(self) -> float:
+        """Perfect balance: each sequence's cheapest rank-seconds over W, or the longest alone."""
+        rank_seconds = (self.seconds * self.sizes[:, None]).min(axis=0)
+        return max(
+            float(rank_seconds.sum()) / self.topology.world, float(self.seconds.min(0).max())
+        )
 
     def best(self) -> StepPlan:
         """The fastest candidate under the cost model (first one on ties)."""
