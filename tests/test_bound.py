@@ -53,7 +53,7 @@ def quadratic_profile() -> Profile:
     return Profile.model_validate(data)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cost_model(kind: str, ranks_per_node: int) -> CostModel:
     if kind == "reference":
         return CostModel.load("h100-reference", ranks_per_node)
@@ -128,17 +128,25 @@ def random_plan(lengths: list[int], topo: Topology, rng: random.Random) -> StepP
 
 # ----------------------------------------------------------------------------- strategies
 
-TOPOLOGIES = st.builds(
-    Topology,
-    world=st.sampled_from([4, 8, 16]),
-    ranks_per_node=st.sampled_from([2, 4, 8]),
-    capacity=st.sampled_from([64, 100, 128, 256, 512]),
-)
+
+@st.composite
+def topologies(draw: st.DrawFn) -> Topology:
+    """Small worlds (12: not a power of two), odd and even capacities, and sometimes a subset of
+    the default group sizes (always keeping the largest, so every length up to it fits)."""
+    world = draw(st.sampled_from([4, 8, 12, 16]))
+    rpn = draw(st.sampled_from([2, 4, 8]))
+    capacity = draw(st.sampled_from([64, 100, 128, 256, 512]))
+    default = Topology(world, rpn, capacity).group_sizes
+    sizes: tuple[int, ...] = ()
+    if draw(st.booleans()):
+        subset = draw(st.lists(st.sampled_from(default), unique=True, max_size=len(default)))
+        sizes = tuple(sorted(set(subset) | {default[-1]}))
+    return Topology(world, rpn, capacity, sizes)
 
 
 @st.composite
 def batches(draw: st.DrawFn, max_size: int = 20) -> tuple[Topology, list[int]]:
-    topo = draw(TOPOLOGIES)
+    topo = draw(topologies())
     longest = topo.max_length()
     length = st.one_of(st.just(1), st.just(longest), st.integers(1, longest))
     lengths = draw(st.lists(length, min_size=1, max_size=max_size))
@@ -154,10 +162,11 @@ def assert_below(bound: float, plan: StepPlan, model: CostModel) -> None:
 # ----------------------------------------------------------------------------- the bound
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=batches(), kind=st.sampled_from(MODELS), seed=st.integers(0, 2**32 - 1))
 @example(case=(Topology(8, 4, 64), [1, 512]), kind="reference", seed=0)
 @example(case=(Topology(16, 8, 100), [1, 1600, 1, 1600]), kind="quadratic", seed=1)
+@example(case=(Topology(12, 4, 64), [1, 256, 256, 7]), kind="reference", seed=2)
 def test_bound_below_random_plans(case: tuple[Topology, list[int]], kind: str, seed: int) -> None:
     topo, lengths = case
     model = cost_model(kind, topo.ranks_per_node)
@@ -175,7 +184,9 @@ def test_bound_below_every_policy(case: tuple[Topology, list[int]], kind: str) -
     topo, lengths = case
     model = cost_model(kind, topo.ranks_per_node)
     bound = lower_bound(np.asarray(lengths), topo, model)
-    for policy in POLICIES:
+    # megatron only where the group of all ranks is allowed (known bug, see test_policies.py).
+    policies = [p for p in POLICIES if p != "megatron" or topo.world in topo.group_sizes]
+    for policy in policies:
         planner = Planner(
             model,
             world=topo.world,
@@ -183,6 +194,7 @@ def test_bound_below_every_policy(case: tuple[Topology, list[int]], kind: str) -
             capacity=topo.capacity,
             policy=policy,
             max_length=topo.max_length(),
+            group_sizes=topo.group_sizes,
         )
         plan = planner.plan(lengths)
         plan.validate()
@@ -216,6 +228,45 @@ def test_bound_is_exact_for_one_sequence(kind: str, world: int, capacity: int) -
         assert bound == pytest.approx(best, rel=1e-9), length
 
 
+def full_balanced_plan(topo: Topology, cp: int, per_mb: int, mbs: int) -> StepPlan | None:
+    """Every group of ``cp`` ranks runs ``mbs`` micro-batches of ``per_mb`` equal sequences that
+    fill the capacity exactly: the shape in which the work and micro-batch terms are tight.
+    None when no such length exists (it must be a multiple of 2*cp for cp > 1)."""
+    length, rest = divmod(cp * topo.capacity, per_mb)
+    if rest or length < 1 or (cp > 1 and length % (2 * cp)):
+        return None
+    groups, i = [], 0
+    for start in range(0, topo.world, cp):
+        batches = []
+        for _ in range(mbs):
+            batches.append(MicroBatch(tuple(range(i, i + per_mb))))
+            i += per_mb
+        groups.append(Group(start, cp, tuple(batches)))
+    plan = StepPlan(topo, (length,) * i, (Wave(tuple(groups)),))
+    plan.validate()
+    assert topo.memory_tokens([length] * per_mb, cp) == topo.capacity
+    return plan
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("world,capacity", [(4, 64), (8, 256), (16, 512)])
+def test_bound_below_full_balanced_plans(kind: str, world: int, capacity: int) -> None:
+    """Perfectly balanced plans of full micro-batches, packed from 1 to 64 sequences each:
+    shared per-micro-batch and per-step costs must not be charged per sequence."""
+    topo = Topology(world, 4, capacity)
+    model = cost_model(kind, 4)
+    built = 0
+    for cp in (1, 2, world):
+        for per_mb in (1, 2, 8, 16, 64):
+            for mbs in (1, 3):
+                plan = full_balanced_plan(topo, cp, per_mb, mbs)
+                if plan is None:
+                    continue
+                built += 1
+                assert_below(lower_bound(np.asarray(plan.lengths), topo, model), plan, model)
+    assert built >= 16
+
+
 @settings(max_examples=30, deadline=None)
 @given(case=batches(max_size=12), kind=st.sampled_from(MODELS), extra=st.integers(1, 10**9))
 def test_bound_monotone_in_the_batch(
@@ -246,7 +297,8 @@ def test_bound_with_restricted_group_sizes() -> None:
 
 
 def test_empty_batch_bound_is_zero() -> None:
-    assert lower_bound(np.array([], dtype=np.int64), Topology(8, 4, 64), cost_model("quadratic", 4)) == 0.0
+    model = cost_model("quadratic", 4)
+    assert lower_bound(np.array([], dtype=np.int64), Topology(8, 4, 64), model) == 0.0
 
 
 # ----------------------------------------------------------------------------- min_cp_sizes

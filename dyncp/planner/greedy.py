@@ -72,9 +72,13 @@ class GreedyConstructor:
         # seconds[k, i]: what sequence i adds to its micro-batch at size sizes[k] (inf: too small),
         # including its share of the per-micro-batch constant.
         self.seconds = np.full((len(self.sizes), n), _INF)
+        # alone[k, i]: exact seconds of sequence i as its own micro-batch (ring constants included),
+        # the yardstick for "a larger group is faster".
+        self.alone = np.full((len(self.sizes), n), _INF)
         for k, cp in enumerate(self.sizes):
             ok = self.min_cp <= cp
             if ok.any():
+                self.alone[k, ok] = model.alone_seconds(int(cp), self.lengths[ok])
                 share = CostModel.padded(int(cp), self.lengths[ok]) / (cp * topology.capacity)
                 self.seconds[k, ok] = (
                     model.marginal_seconds(int(cp), self.lengths[ok])
@@ -85,9 +89,10 @@ class GreedyConstructor:
     def choose_sizes(self, stretch: float, boost: int = 0) -> np.ndarray:
         """Index into ``sizes`` of each sequence's CP size.
 
-        Cheapest rank-seconds first; then a sequence alone longer than ``stretch`` x the ideal
-        step (total work / W) moves to the next size while that is faster; ``boost`` doubles the
-        CP size of every long sequence that many times.
+        Cheapest rank-seconds first; then a sequence longer than ``stretch`` x the ideal step
+        (total work / W) moves to the next size while that runs it faster alone (exact cost,
+        ring constants included); ``boost`` doubles the CP size of every long sequence that
+        many times.
         """
         n = len(self.lengths)
         cols = np.arange(n)
@@ -97,8 +102,7 @@ class GreedyConstructor:
         top = len(self.sizes) - 1
         for _ in range(top):
             nxt = np.minimum(k + 1, top)
-            now = self.seconds[k, cols]
-            grow = (now > limit) & (self.seconds[nxt, cols] < now)
+            grow = (self.seconds[k, cols] > limit) & (self.alone[nxt, cols] < self.alone[k, cols])
             if not grow.any():
                 break
             k = np.where(grow, nxt, k)
@@ -225,7 +229,7 @@ class GreedyConstructor:
         world = self.topology.world
         cols = np.arange(len(self.lengths))
         fits = self.seconds <= level
-        k = np.where(fits.any(axis=0), fits.argmax(axis=0), self.seconds.argmin(axis=0))
+        k = np.where(fits.any(axis=0), fits.argmax(axis=0), self.alone.argmin(axis=0))
         t = self.seconds[k, cols]
         size = self.sizes[k]
         waves: list[list[list]] = []  # per wave: [size, ids, load] per group
@@ -302,9 +306,7 @@ class GreedyConstructor:
     def ideal_seconds(self) -> float:
         """Perfect balance: each sequence's cheapest rank-seconds over W, or the longest alone."""
         rank_seconds = (self.seconds * self.sizes[:, None]).min(axis=0)
-        return max(
-            float(rank_seconds.sum()) / self.topology.world, float(self.seconds.min(0).max())
-        )
+        return max(float(rank_seconds.sum()) / self.topology.world, float(self.alone.min(0).max()))
 
     def best(self) -> StepPlan:
         """The fastest candidate under the cost model (first one on ties)."""

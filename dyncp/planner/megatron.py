@@ -12,8 +12,8 @@ in megatron/core/datasets/data_schedule_utils.py); the code is dyncp's own. Per 
    cost Megatron knows -- provided it stays under ``tall * capacity * 1.05`` (tall: the longest
    sequence of the wave); otherwise the sequence waits for a later wave;
 3. while ranks stay idle, the first group of the smallest size doubles (its work spread over
-   twice the ranks); if no group can grow, the wave becomes one group of all ranks packing what
-   fits and the rest waits.
+   twice the ranks); if no group can grow, the wave becomes one group of all ranks (here: the
+   largest allowed size holding the wave's longest sequence) packing what fits; the rest waits.
 
 Each group runs one packed micro-batch per wave; waves repeat until every sequence is placed.
 Differences from Megatron, forced by dyncp's plan contract: memory counts zigzag padding (a
@@ -123,13 +123,18 @@ def _form_wave(
 def _full_world_wave(
     order: list[int], lengths: np.ndarray, topology: Topology
 ) -> tuple[list[_WaveGroup], list[int]]:
-    """Fallback: one group of all ranks takes, longest first, whatever fits."""
-    world = topology.world
-    g = _WaveGroup(world)
+    """Fallback: one group as large as allowed takes, longest first, whatever fits.
+
+    Megatron uses all ranks; here the largest allowed size that still holds the wave's longest
+    sequence (the world itself when it is an allowed size), so every wave makes progress.
+    """
+    tall = int(lengths[order[0]])
+    size = max(c for c in topology.group_sizes if _padded(tall, c) <= c * topology.capacity)
+    g = _WaveGroup(size)
     leftovers = []
     for i in order:
-        pad = _padded(int(lengths[i]), world)
-        if g.tokens + pad <= world * topology.capacity:
+        pad = _padded(int(lengths[i]), size)
+        if g.tokens + pad <= size * topology.capacity:
             g.ids.append(i)
             g.tokens += pad
         else:

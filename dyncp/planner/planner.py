@@ -116,6 +116,8 @@ class Planner:
         assert self.improver is not None
         try:
             better = self.improver(plan, self.model)
+            if better.lengths != plan.lengths or better.topology != plan.topology:
+                raise ValueError("improver returned a plan for another batch or topology")
             better.validate()
         except (PlanError, ValueError, RuntimeError) as exc:
             log.warning("improver failed, keeping the constructed plan: %s", exc)

@@ -56,8 +56,8 @@ def batch_adaptive_plan(lengths: np.ndarray, topology: Topology, model: CostMode
     need = int(min_cp_sizes(lengths, topology).max()) if len(lengths) else 1
     best: tuple[float, StepPlan] | None = None
     for cp in topology.group_sizes:
-        if cp < need:
-            continue
+        if cp < need or (CostModel.padded(cp, lengths) > cp * topology.capacity).any():
+            continue  # (with tiny capacities a larger group can hold less than a smaller one)
         plan = fixed_cp_plan(lengths, topology, model, cp, policy="batch-adaptive")
         seconds = evaluate_plan(plan, model).step_seconds
         if best is None or seconds < best[0]:

@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.global_batch_tokens
     if tokens is None and args.global_batch_size is None:
         tokens = 2 * args.world * args.capacity
+    if len(lengths) == 0:
+        parser.error(f"no document left to replay: {admission.summary()}")
     batches = list(
         draw_batches(
             lengths,
