@@ -38,22 +38,45 @@ class PlanCost:
 
 
 def evaluate_plan(plan: StepPlan, model: CostModel) -> PlanCost:
-    """Predicted cost of ``plan`` under ``model`` (the plan is assumed valid)."""
-    busy = np.zeros(plan.topology.world)
+    """Predicted cost of ``plan`` under ``model`` (the plan is assumed valid).
+
+    Micro-batches are priced in one vectorised call per CP size, so pricing a plan of thousands of
+    sequences costs about as much as a handful of microbatch_seconds calls.
+    """
     lengths = np.asarray(plan.lengths, dtype=np.int64)
+    # Flatten: for every micro-batch its CP size and its slice of the concatenated ids.
+    sizes: list[int] = []
+    ids: list[int] = []
+    starts: list[int] = []
+    for wave in plan.waves:
+        for group in wave.groups:
+            for mb in group.microbatches:
+                sizes.append(group.size)
+                starts.append(len(ids))
+                ids.extend(mb.seq_ids)
+    mb_sizes = np.asarray(sizes, dtype=np.int64)
+    mb_starts = np.asarray(starts, dtype=np.int64)
+    flat = lengths[np.asarray(ids, dtype=np.int64)] if ids else lengths[:0]
+    seconds = np.zeros(len(sizes))
+    for cp in np.unique(mb_sizes).tolist():
+        sel = np.flatnonzero(mb_sizes == cp)
+        ends = np.append(mb_starts[1:], len(ids))
+        parts = [flat[mb_starts[j] : ends[j]] for j in sel.tolist()]
+        sub_starts = np.cumsum([0] + [len(x) for x in parts[:-1]])
+        seconds[sel] = model.packs_seconds(int(cp), np.concatenate(parts), sub_starts)
+    busy = np.zeros(plan.topology.world)
     waves = []
     per_mb: list[tuple[float, ...]] = []
+    j = 0
     for wave in plan.waves:
         slowest = 0.0
-        times = []
+        first = j
         for group in wave.groups:
-            t = 0.0
-            for mb in group.microbatches:
-                s = model.microbatch_seconds(group.size, lengths[list(mb.seq_ids)])
-                times.append(s)
-                t += s
+            n = len(group.microbatches)
+            t = float(seconds[j : j + n].sum())
+            j += n
             busy[group.start : group.start + group.size] += t
             slowest = max(slowest, t)
         waves.append(slowest + model.wave_overhead)
-        per_mb.append(tuple(times))
+        per_mb.append(tuple(float(x) for x in seconds[first:j]))
     return PlanCost(float(sum(waves)), tuple(waves), busy, tuple(per_mb))

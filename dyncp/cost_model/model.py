@@ -132,6 +132,17 @@ class CostModel:
         step_att = np.float64(self.attention_seconds(p / cp).sum())
         return float(self._seconds(cp, tokens, step_att))
 
+    def packs_seconds(self, cp: int, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Seconds of many micro-batches at CP ``cp`` at once (vectorised microbatch_seconds).
+
+        ``lengths`` concatenates the packs; ``starts`` holds each pack's first index (non-empty
+        packs, increasing).
+        """
+        p = self.padded(cp, lengths).astype(np.float64)
+        tokens = np.add.reduceat(p, starts)
+        step_att = np.add.reduceat(self.attention_seconds(p / cp), starts)
+        return self._seconds(cp, tokens, step_att)
+
     def memory_tokens(self, cp: int, lengths: Sequence[int] | np.ndarray) -> int:
         """Tokens per rank (padding included) of ``lengths`` packed at CP size ``cp``."""
         p = self.padded(cp, np.asarray(lengths))

@@ -1,11 +1,16 @@
 """Lower bound on the step seconds of any valid plan, reported with every plan.
 
-    LB = max(LB_work, LB_longest)
+    LB = max_i min_{c >= m_i} max( alone_i(c), mean_busy_i(c) ) + one wave overhead
 
-    LB_work    = sum_i min_{c >= m_i} cp-rank-seconds of s_i's linear+attention work / W
-                 + (sum_i padded(s_i, m_i) / (W * capacity)) * microbatch overhead
-                 + one wave overhead
-    LB_longest = max_i min_{c >= m_i} seconds of s_i alone in a micro-batch at c + one wave overhead
+    alone_i(c)     = seconds of s_i alone in a micro-batch at CP size c
+    mean_busy_i(c) = ( sum_j cheapest_j - cheapest_i + work_i(c) ) / W
+                     + (sum_j padded(s_j, m_j) / (W * capacity)) * microbatch overhead
+    work_i(c)      = c-rank-seconds of s_i's linear + attention work at CP size c
+    cheapest_i     = min_{c >= m_i} work_i(c)
+
+This is at least DESIGN.md's max(total cheapest work / W + constants, longest sequence alone at its
+fastest size), and tighter when the longest sequence is fast only on a group so large that its
+rank-seconds raise the mean busy time.
 
 Why it is valid:
 - every micro-batch at CP c costs each of its c ranks at least its sequences' linear+attention
@@ -16,7 +21,9 @@ Why it is valid:
 - a micro-batch's time never decreases when a sequence is added (each ring step costs
   max(compute, transfer), both non-decreasing), so the longest sequence's micro-batch takes at
   least that sequence's best time alone;
-- every plan has at least one wave.
+- every plan has at least one wave;
+- a plan runs each sequence at one CP size c, so both bounds hold for that c at once, hence the
+  minimum over c of their maximum, for every sequence.
 
 DESIGN.md's first draft charged ceil(tokens / (W * capacity)) whole waves; that is not a bound when
 a group may run several micro-batches in one wave, so the fractional micro-batch form is used.
@@ -55,16 +62,22 @@ def lower_bound(lengths: np.ndarray, topology: Topology, model: CostModel) -> fl
     if len(lengths) == 0:
         return 0.0
     m = min_cp_sizes(lengths, topology)
-    work = np.full(len(lengths), np.inf)
-    alone = np.full(len(lengths), np.inf)
+    sizes = topology.group_sizes
+    work = np.full((len(sizes), len(lengths)), np.inf)
+    alone = np.full((len(sizes), len(lengths)), np.inf)
     tokens = np.zeros(len(lengths))
-    for cp in topology.group_sizes:
+    for k, cp in enumerate(sizes):
         ok = m <= cp
         if not ok.any():
             continue
-        work[ok] = np.minimum(work[ok], model.work_rank_seconds(cp, lengths[ok]))
-        alone[ok] = np.minimum(alone[ok], model.alone_seconds(cp, lengths[ok]))
+        work[k, ok] = model.work_rank_seconds(cp, lengths[ok])
+        alone[k, ok] = model.alone_seconds(cp, lengths[ok])
         tokens[m == cp] = CostModel.padded(cp, lengths[m == cp])
     w = topology.world
-    lb_work = work.sum() / w + tokens.sum() / (w * topology.capacity) * model.microbatch_overhead
-    return float(max(lb_work, alone.max()) + model.wave_overhead)
+    cheapest = work.min(axis=0)
+    constants = tokens.sum() / (w * topology.capacity) * model.microbatch_overhead
+    # For each sequence and each CP size it could run at: the step is at least its time alone
+    # there and at least the mean busy time with it there; the plan picks one size per sequence.
+    mean_busy = (cheapest.sum() - cheapest[None, :] + work) / w + constants
+    per_sequence = np.maximum(alone, mean_busy).min(axis=0)
+    return float(per_sequence.max() + model.wave_overhead)

@@ -32,12 +32,11 @@ import numpy as np
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
-from dyncp.planner.bound import min_cp_sizes
+from dyncp.planner.costs import SequenceCosts
 from dyncp.planner.packing import lpt, pack_ffd, place_groups
 
 __all__ = ["greedy_plan", "GreedyConstructor"]
 
-_INF = float("inf")
 # (stretch, boost) structures tried: how far a long sequence may outlast the ideal step before it
 # gets a larger group, and how many times all long sequences' CP sizes are doubled.
 STRUCTURES = ((1.0, 0), (0.5, 0), (0.25, 0), (1.0, 1), (1.0, 2))
@@ -66,24 +65,11 @@ class GreedyConstructor:
         self.topology = topology
         self.model = model
         self.structures = structures
-        self.sizes = np.asarray(topology.group_sizes, dtype=np.int64)
-        n = len(self.lengths)
-        self.min_cp = min_cp_sizes(self.lengths, topology) if n else np.zeros(0, np.int64)
-        # seconds[k, i]: what sequence i adds to its micro-batch at size sizes[k] (inf: too small),
-        # including its share of the per-micro-batch constant.
-        self.seconds = np.full((len(self.sizes), n), _INF)
-        # alone[k, i]: exact seconds of sequence i as its own micro-batch (ring constants included),
-        # the yardstick for "a larger group is faster".
-        self.alone = np.full((len(self.sizes), n), _INF)
-        for k, cp in enumerate(self.sizes):
-            ok = self.min_cp <= cp
-            if ok.any():
-                self.alone[k, ok] = model.alone_seconds(int(cp), self.lengths[ok])
-                share = CostModel.padded(int(cp), self.lengths[ok]) / (cp * topology.capacity)
-                self.seconds[k, ok] = (
-                    model.marginal_seconds(int(cp), self.lengths[ok])
-                    + share * model.microbatch_overhead
-                )
+        self.costs = SequenceCosts(self.lengths, topology, model)
+        self.sizes = self.costs.sizes
+        self.min_cp = self.costs.min_cp
+        self.seconds = self.costs.seconds
+        self.alone = self.costs.alone
 
     # ------------------------------------------------------------------------------ step 1
     def choose_sizes(self, stretch: float, boost: int = 0) -> np.ndarray:
@@ -190,7 +176,6 @@ class GreedyConstructor:
             bin_items.append([[] for _ in sizes])
             bins += [(-room, w, b) for b, room in enumerate(rooms) if room > 0]
         heapq.heapify(bins)
-        index = {int(c): kk for kk, c in enumerate(self.sizes)}
         sand = np.flatnonzero(self.sizes[k] == 1).tolist()
         sand.sort(key=lambda i: (-t[i], i))
         rest: list[int] = []
@@ -198,7 +183,7 @@ class GreedyConstructor:
             placed = False
             if bins:
                 room, w, b = bins[0]
-                cost = self.seconds[index[bin_size[w][b]], i]
+                cost = self.seconds[self.costs.index(bin_size[w][b]), i]
                 if cost <= -room:
                     heapq.heapreplace(bins, (room + cost, w, b))
                     bin_items[w][b].append(i)
@@ -258,13 +243,12 @@ class GreedyConstructor:
         rooms = [(g[2] - level, j) for j, g in enumerate(groups)]  # min-heap of -room
         heapq.heapify(rooms)
         singles = [(0.0, j) for j, g in enumerate(groups) if g[0] == 1]
-        index = {int(c): kk for kk, c in enumerate(self.sizes)}
         for i in sand:
             # Every update pushes a fresh entry, so entries that disagree are stale: drop them.
             while rooms[0][0] != groups[rooms[0][1]][2] - level:
                 heapq.heappop(rooms)
             neg_room, j = rooms[0]
-            cost = self.seconds[index[groups[j][0]], i]
+            cost = self.seconds[self.costs.index(groups[j][0]), i]
             overflow = cost > -neg_room
             if overflow:  # no room anywhere: the least-loaded single rank takes it
                 while singles[0][0] != groups[singles[0][1]][2]:
@@ -304,9 +288,7 @@ class GreedyConstructor:
         return out
 
     def ideal_seconds(self) -> float:
-        """Perfect balance: each sequence's cheapest rank-seconds over W, or the longest alone."""
-        rank_seconds = (self.seconds * self.sizes[:, None]).min(axis=0)
-        return max(float(rank_seconds.sum()) / self.topology.world, float(self.alone.min(0).max()))
+        return self.costs.ideal_seconds()
 
     def best(self) -> StepPlan:
         """The fastest candidate under the cost model (first one on ties)."""

@@ -1,18 +1,28 @@
 """Planner facade: one object, one ``plan(lengths)`` call, any policy, stats attached.
 
-    planner = Planner(model, world=64, ranks_per_node=8, capacity=16384, policy="dyncp")
+    planner = Planner(model, world=64, ranks_per_node=8, capacity=8192, policy="dyncp",
+                      time_limit=0.1)
     plan = planner.plan(lengths)          # validated StepPlan
-    plan.stats["predicted_step_seconds"], plan.stats["gap_to_lower_bound"]
+    plan.stats["predicted_step_seconds"], plan.stats["gap_to_lower_bound"], plan.stats["solver"]
+    plan.stats["timings"]["plan_seconds"]  # wall clock: the only values that vary between runs
 
-The ``improver`` hook takes the constructed plan and may return a better one (the CP-SAT
-improvement plugs in here); whatever it returns is validated and kept only if it is predicted to
-be faster, so an improver can never make a plan worse or invalid.
+The dyncp policy is a pipeline with a deadline: the greedy constructor (milliseconds), then, if
+the remaining time allows (``min_improve_seconds``), the CP-SAT improvement for what is left of
+``time_limit``, then an optional user ``improver``. Every improvement is validated and kept only
+when the exact cost model predicts it faster, so nothing after the greedy can make a plan worse
+or invalid, and nothing raises because a solver ran out of time: the best plan found by the
+deadline is returned. Solver outcomes are counted in ``Planner.solver_status_counts``.
+
+Deterministic mode (``deterministic=True``): CP-SAT runs with one worker, a deterministic time
+limit and a fixed seed, and whether it runs depends on ``time_limit`` only, never on elapsed wall
+time, so identical inputs give identical plans on every machine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -20,8 +30,10 @@ import numpy as np
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
+from dyncp.planner.assignment import Assignment
 from dyncp.planner.bound import lower_bound
-from dyncp.planner.greedy import greedy_plan
+from dyncp.planner.cpsat import CpSatImprover
+from dyncp.planner.greedy import GreedyConstructor
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
@@ -43,8 +55,14 @@ class Planner:
         policy: one of ``POLICIES``.
         max_length: longest admitted document; sets the static policy's CP size (required for
             ``static``).
-        group_sizes: allowed CP sizes (default: powers of two up to world).
-        improver: optional anytime improvement of the constructed plan (dyncp policy only).
+        group_sizes: allowed CP sizes (default: powers of two dividing world).
+        time_limit: seconds the dyncp policy may spend per step (deterministic units in
+            deterministic mode).
+        deterministic: reproducible CP-SAT (see the module docstring).
+        cpsat: the CP-SAT improver; ``None`` disables it. Default: ``CpSatImprover()``.
+        min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
+            after the greedy (building its model alone takes tens of milliseconds).
+        improver: optional user improvement of the plan (dyncp policy only), same guarantees.
     """
 
     def __init__(
@@ -57,6 +75,10 @@ class Planner:
         policy: str = "dyncp",
         max_length: int | None = None,
         group_sizes: Sequence[int] = (),
+        time_limit: float = 0.1,
+        deterministic: bool = False,
+        cpsat: CpSatImprover | None | str = "default",
+        min_improve_seconds: float = 0.2,
         improver: Improver | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -66,43 +88,114 @@ class Planner:
                 f"cost model built for ranks_per_node={model.ranks_per_node}, planner has "
                 f"{ranks_per_node}"
             )
+        if not time_limit > 0:
+            raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
         self.model = model
         self.topology = Topology(world, ranks_per_node, capacity, tuple(group_sizes))
         self.policy = policy
+        self.time_limit = float(time_limit)
+        self.deterministic = deterministic
+        if cpsat == "default":
+            cpsat = CpSatImprover(deterministic=deterministic)
+        self.cpsat: CpSatImprover | None = cpsat  # type: ignore[assignment]
+        self.min_improve_seconds = min_improve_seconds
         self.improver = improver
+        self.solver_status_counts: Counter[str] = Counter()
         self.static_cp: int | None = None
         if policy == "static":
             if max_length is None:
                 raise ValueError("policy 'static' needs max_length (the longest admitted document)")
             self.static_cp = static_cp_size(max_length, self.topology)
 
-    def _construct(self, lengths: np.ndarray) -> StepPlan:
+    # ------------------------------------------------------------------------------ stages
+    def _construct(self, lengths: np.ndarray) -> tuple[StepPlan, GreedyConstructor | None]:
         topo, model = self.topology, self.model
         if self.policy == "static":
             assert self.static_cp is not None
-            return fixed_cp_plan(lengths, topo, model, self.static_cp)
+            return fixed_cp_plan(lengths, topo, model, self.static_cp), None
         if self.policy == "batch-adaptive":
-            return batch_adaptive_plan(lengths, topo, model)
+            return batch_adaptive_plan(lengths, topo, model), None
         if self.policy == "megatron":
-            return megatron_plan(lengths, topo)
-        return greedy_plan(lengths, topo, model)
+            return megatron_plan(lengths, topo), None
+        greedy = GreedyConstructor(lengths, topo, model)
+        return greedy.best(), greedy
 
+    def _run_cpsat(
+        self, plan: StepPlan, greedy: GreedyConstructor, start: float, stats: dict
+    ) -> StepPlan:
+        assert self.cpsat is not None
+        if self.deterministic:
+            budget = self.time_limit
+            run = budget >= self.min_improve_seconds
+        else:
+            budget = self.time_limit - (time.perf_counter() - start)
+            run = budget >= self.min_improve_seconds
+        if not run or len(plan.lengths) == 0:
+            self.solver_status_counts["SKIPPED"] += 1
+            stats["solver"] = {"status": "SKIPPED", "reason": "not enough time left"}
+            return plan
+        assignment, result = self.cpsat.solve(Assignment.from_plan(plan, greedy.costs), budget)
+        self.solver_status_counts[result.status.split(":")[0]] += 1
+        stats["timings"].update(
+            solver_wall_seconds=result.wall_seconds, solver_build_seconds=result.build_seconds
+        )
+        stats["solver"] = {
+            "status": result.status,
+            "objective_seconds": result.objective_seconds,
+            "bound_seconds": result.bound_seconds,
+            "variables": result.variables,
+        }
+        if result.objective_seconds is None:
+            return plan
+        return self._keep_better(plan, assignment.to_plan(plan), "CP-SAT")
+
+    def _keep_better(self, plan: StepPlan, candidate: StepPlan, who: str) -> StepPlan:
+        try:
+            if candidate.lengths != plan.lengths or candidate.topology != plan.topology:
+                raise ValueError(f"{who} returned a plan for another batch or topology")
+            candidate.validate()
+        except (PlanError, ValueError) as exc:
+            log.warning("%s plan rejected, keeping the previous one: %s", who, exc)
+            self.solver_status_counts["REJECTED"] += 1
+            return plan
+        old = evaluate_plan(plan, self.model).step_seconds
+        new = evaluate_plan(candidate, self.model).step_seconds
+        return candidate if new < old else plan
+
+    def _run_improver(self, plan: StepPlan) -> StepPlan:
+        assert self.improver is not None
+        try:
+            candidate = self.improver(plan, self.model)
+        except (PlanError, ValueError, RuntimeError) as exc:
+            log.warning("improver failed, keeping the constructed plan: %s", exc)
+            return plan
+        return self._keep_better(plan, candidate, "improver")
+
+    # ------------------------------------------------------------------------------ API
     def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
         """A validated plan for one global batch, with predictions and timings in ``stats``."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
         start = time.perf_counter()
-        plan = self._construct(lengths)
-        if self.improver is not None and self.policy == "dyncp":
-            plan = self._improve(plan)
+        plan, greedy = self._construct(lengths)
+        construct_seconds = time.perf_counter() - start
+        stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
+        if greedy is not None:
+            greedy_seconds = evaluate_plan(plan, self.model).step_seconds
+            stats["greedy_step_seconds"] = greedy_seconds
+            if self.cpsat is not None:
+                plan = self._run_cpsat(plan, greedy, start, stats)
+            if self.improver is not None:
+                plan = self._run_improver(plan)
         elapsed = time.perf_counter() - start
         plan.validate()
         cost = evaluate_plan(plan, self.model)
         bound = lower_bound(lengths, self.topology, self.model)
+        stats["timings"].update(plan_seconds=elapsed, construct_seconds=construct_seconds)
+        plan.stats.update(stats)
         plan.stats.update(
             policy=self.policy,
-            plan_seconds=elapsed,
             predicted_step_seconds=cost.step_seconds,
             imbalance=cost.imbalance,
             efficiency=cost.efficiency,
@@ -111,17 +204,3 @@ class Planner:
             gap_to_lower_bound=cost.step_seconds / bound - 1.0 if bound > 0 else 0.0,
         )
         return plan
-
-    def _improve(self, plan: StepPlan) -> StepPlan:
-        assert self.improver is not None
-        try:
-            better = self.improver(plan, self.model)
-            if better.lengths != plan.lengths or better.topology != plan.topology:
-                raise ValueError("improver returned a plan for another batch or topology")
-            better.validate()
-        except (PlanError, ValueError, RuntimeError) as exc:
-            log.warning("improver failed, keeping the constructed plan: %s", exc)
-            return plan
-        old = evaluate_plan(plan, self.model).step_seconds
-        new = evaluate_plan(better, self.model).step_seconds
-        return better if new < old else plan

@@ -133,7 +133,7 @@ def replay(
             run.imbalance.append(st["imbalance"])
             run.efficiency.append(st["efficiency"])
             run.gap.append(st["gap_to_lower_bound"])
-            run.plan_seconds.append(st["plan_seconds"])
+            run.plan_seconds.append(st["timings"]["plan_seconds"])
             run.waves.append(st["waves"])
             for i, cp in plan.cp_of_sequences().items():
                 run.cp_sequences[cp] += 1

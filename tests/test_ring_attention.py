@@ -1,0 +1,276 @@
+"""Ring attention against full attention computed per sequence on one process.
+
+In-process tests cover the pieces (merge, kernels, kernel choice, layout and input errors, cp=1).
+The ring itself runs in spawned processes over gloo on CPU: one pool per world size (2, 4, 8)
+runs many random packed micro-batches, switching the same processes between ring sizes, and every
+rank compares its outputs and gradients with a float64 reference on its real tokens:
+float64 within 1e-10, float32 within 1e-5. Each pool also checks that wrong layouts fail.
+GPU tests (kernels against the math reference) run only when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dyncp.ring_attention import (
+    BlockSpec,
+    KernelFallbackWarning,
+    MathKernel,
+    RingLayout,
+    SdpaKernel,
+    make_ring_layout,
+    merge_block,
+    ring_attention,
+    select_kernel,
+    zigzag_shard,
+    zigzag_token_index,
+)
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+HANG_SECONDS = 30  # gloo timeout inside the workers: a lost message fails instead of blocking
+
+# ------------------------------------------------------------------------------ reference
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seqlens: list[int],
+    causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain softmax attention of each packed sequence alone (autograd-friendly)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for length in seqlens:
+        sl = slice(start, start + length)
+        kk = k[sl].repeat_interleave(group, dim=1)
+        vv = v[sl].repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[sl], kk) * scale
+        if causal:
+            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(future, -math.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vv))
+        start += length
+    return torch.cat(outs)
+
+
+def make_case(
+    rng: random.Random, *, dtype: str, kernel: str, causal: bool, seqlens: list[int] | None = None
+) -> dict:
+    """A random packed micro-batch with its float64 reference output and gradients."""
+    if seqlens is None:
+        n = rng.randint(1, 5)
+        seqlens = [rng.choice([rng.randint(1, 300), rng.randint(1, 40)]) for _ in range(n)]
+    heads, kv_heads = rng.choice([(4, 4), (4, 2), (4, 1), (2, 2)])
+    head_dim = rng.choice([8, 16])
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    total = sum(seqlens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        # Rounded to the case dtype so the reference sees exactly the ring's inputs.
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DTYPES[dtype]).double()
+
+    q, k, v = randn(total, heads, head_dim), randn(total, kv_heads, head_dim)
+    v = randn(total, kv_heads, head_dim)
+    dout = randn(total, heads, head_dim)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = reference_attention(*leaves, seqlens=seqlens, causal=causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return dict(
+        seqlens=seqlens, causal=causal, dtype=dtype, kernel=kernel,
+        q=q, k=k, v=v, dout=dout, out=out.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
+    )  # fmt: skip
+
+
+# Edge cases first: one token; lengths below 2*cp, around it and not divisible by it; the longest.
+EDGE_SEQLENS = [[1], [1, 2, 3, 5, 7, 9, 15, 17], [300, 1, 299, 16], [8, 16, 32]]
+
+
+def make_cases(count: int, seed: int) -> list[dict]:
+    """Alternating float64/float32, math/sdpa kernels, two in three causal."""
+    rng = random.Random(seed)
+    return [
+        make_case(
+            rng,
+            dtype=("float64", "float32")[i % 2],
+            kernel=("math", "sdpa")[(i // 2) % 2],
+            causal=(i // 4) % 3 != 2,
+            seqlens=EDGE_SEQLENS[i] if i < len(EDGE_SEQLENS) else None,
+        )
+        for i in range(count)
+    ]
+
+
+# ------------------------------------------------------------------------------ in-process
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merge_of_two_key_halves_is_full_attention(dtype: torch.dtype) -> None:
+    q, k, v = _rand(7, 2, 8, dtype=dtype), _rand(10, 2, 8, dtype=dtype, seed=1), _rand(10, 2, 8)
+    v = v.to(dtype)
+    kernel = MathKernel()
+    full, full_lse = kernel.forward(q, k, v, spec=BlockSpec((0, 7), (0, 10), False), softmax_scale=0.3)
+    out = torch.zeros_like(full)
+    lse = torch.full((7, 2), -math.inf, dtype=full.dtype)
+    for lo, hi in ((0, 4), (4, 10)):
+        o, s = kernel.forward(q, k[lo:hi], v[lo:hi], spec=BlockSpec((0, 7), (0, hi - lo), False), softmax_scale=0.3)
+        out, lse = merge_block(out, lse, o, s.t())
+    assert (out - full).abs().max() <= TOL[dtype]
+    assert (lse - full_lse.t()).abs().max() <= TOL[dtype]
+    # A block that saw no key (lse -inf) leaves the accumulator unchanged.
+    same_out, same_lse = merge_block(out, lse, torch.zeros_like(out), torch.full_like(lse, -math.inf))
+    assert torch.equal(same_out, out) and torch.equal(same_lse, lse)
+
+
+KERNEL_SPECS = [
+    # (q lengths, k lengths, causal): varlen, non-square, empty and single-token sequences
+    ([5, 1, 37, 64], [5, 1, 37, 64], True),
+    ([5, 1, 37, 64], [9, 3, 20, 64], False),
+    ([3, 0, 8], [5, 4, 8], True),  # bottom-right causal; a sequence without queries
+    ([4, 6], [0, 6], False),  # a sequence without keys: output 0, lse -inf
+]
+
+
+@pytest.mark.parametrize("kernel", [MathKernel(), SdpaKernel(), MathKernel(max_score_elements=50)])
+@pytest.mark.parametrize("lens_q,lens_k,causal", KERNEL_SPECS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_kernel_matches_dense_reference(kernel, lens_q, lens_k, causal, dtype) -> None:
+    spec = BlockSpec(tuple(_cum(lens_q)), tuple(_cum(lens_k)), causal)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = _rand(tq, 4, 8, dtype=dtype, seed=1).requires_grad_()
+    k = _rand(tk, 2, 8, dtype=dtype, seed=2).requires_grad_()
+    v = _rand(tk, 2, 8, dtype=dtype, seed=3).requires_grad_()
+    out, lse = kernel.forward(q, k, v, spec=spec, softmax_scale=0.4)
+    ref_out, ref_lse = _dense_reference(q, k, v, lens_q, lens_k, causal, 0.4)
+    tol = TOL[dtype]
+    assert (out - ref_out).abs().max() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= tol
+    dout = _rand(tq, 4, 8, dtype=dtype, seed=4)
+    grads = kernel.backward(dout, q, k, v, out.to(dtype), lse, spec=spec, softmax_scale=0.4)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout, allow_unused=True)
+    for got, want in zip(grads, ref_grads):
+        want = torch.zeros_like(got) if want is None else want
+        assert (got - want).abs().max() <= tol
+
+
+def _cum(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def _dense_reference(q, k, v, lens_q, lens_k, causal, scale):
+    """Per-sequence softmax with bottom-right causality; rows without keys give 0 and -inf."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(_cum(lens_q), _cum(lens_q)[1:]), zip(_cum(lens_k), _cum(lens_k)[1:])):
+        kk = k[k0:k1].repeat_interleave(group, dim=1)
+        vv = v[k0:k1].repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
+        lq, lk = q1 - q0, k1 - k0
+        if causal:
+            j = torch.arange(lk)[None, :]
+            i = torch.arange(lq)[:, None]
+            s = s.masked_fill(j > i + lk - lq, -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def test_select_kernel_by_name_auto_and_errors() -> None:
+    cpu = torch.device("cpu")
+    pick = dict(device=cpu, head_dim=8, v_head_dim=8)
+    assert select_kernel("auto", dtype=torch.float64, **pick).name == "sdpa"
+    assert select_kernel("math", dtype=torch.float32, **pick).name == "math"
+    mine = MathKernel()
+    assert select_kernel(mine, dtype=torch.float32, **pick) is mine
+    with pytest.raises(ValueError, match="flash kernel runs on cuda only"):
+        select_kernel("flash", dtype=torch.bfloat16, **pick)
+    with pytest.raises(ValueError, match="unknown block kernel 'fast'.*allowed"):
+        select_kernel("fast", dtype=torch.float32, **pick)
+    with pytest.raises(ValueError, match="equal q/k and v head dims"):
+        select_kernel("sdpa", dtype=torch.float32, device=cpu, head_dim=8, v_head_dim=4)
+    # auto never falls back silently: a smaller kernel comes with a warning naming why.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = select_kernel("auto", dtype=torch.float32, device=cpu, head_dim=8, v_head_dim=4)
+    assert chosen.name == "math"
+    assert any(
+        issubclass(w.category, KernelFallbackWarning) and "'sdpa' is unavailable" in str(w.message)
+        for w in caught
+    )
+
+
+def test_layout_helper_and_its_errors() -> None:
+    layout = make_ring_layout(seqlens=[5, 3], cp=1)
+    assert layout.local_tokens == 8 and layout.cu_seqlens_local == (0, 5, 8)
+    assert layout.group is None and layout.rank == 0
+    with pytest.raises(ValueError, match="seqlens must be a non-empty list of lengths >= 1"):
+        make_ring_layout(seqlens=[5, 0], cp=1)
+    with pytest.raises(ValueError, match="cp must be an integer >= 1"):
+        make_ring_layout(seqlens=[5], cp=0)
+    with pytest.raises(ValueError, match="needs the ring's process group"):
+        make_ring_layout(seqlens=[5], cp=2)
+    with pytest.raises(ValueError, match="pass group=None"):
+        make_ring_layout(seqlens=[5], cp=1, group=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens_local=\(0, 4, 8\) does not match"):
+        dataclasses.replace(layout, cu_seqlens_local=(0, 4, 8))
+
+
+def test_cp1_is_local_attention_and_inputs_are_checked() -> None:
+    seqlens = [5, 1, 37, 120]
+    total = sum(seqlens)
+    layout = make_ring_layout(seqlens=seqlens, cp=1)
+    for dtype in (torch.float64, torch.float32):
+        q = _rand(total, 4, 16, dtype=dtype, seed=1).requires_grad_()
+        k = _rand(total, 2, 16, dtype=dtype, seed=2).requires_grad_()
+        v = _rand(total, 2, 16, dtype=dtype, seed=3).requires_grad_()
+        for causal in (True, False):
+            out = ring_attention(q, k, v, layout, causal=causal, kernel="math")
+            ref = reference_attention(q, k, v, seqlens=seqlens, causal=causal)
+            dout = _rand(total, 4, 16, dtype=dtype, seed=4)
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            want = torch.autograd.grad(ref, (q, k, v), dout)
+            assert out.dtype == dtype and all(g.dtype == dtype for g in got)
+            assert (out - ref).abs().max() <= TOL[dtype]
+            assert max((a - b).abs().max() for a, b in zip(got, want)) <= TOL[dtype]
+    q, k, v = _rand(total, 4, 16), _rand(total, 2, 16), _rand(total, 2, 16)
+    with pytest.raises(ValueError, match="q has 162 tokens but the layout's cu_seqlens_local ends"):
+        ring_attention(q[1:], k, v, layout)
+    with pytest.raises(ValueError, match="share dtype and device"):
+        ring_attention(q, k.float(), v, layout)
+    with pytest.raises(ValueError, match="k and v need the same number of heads"):
+        ring_attention(q, _rand(total, 3, 16), _rand(total, 3, 16), layout)
+    with pytest.raises(ValueError, match="same head_dim"):
+        ring_attention(q, _rand(total, 2, 8), v, layout)
+    with pytest.raises(ValueError, match=r"\(tokens, heads, head_dim\)"):
+        ring_attention(q[:, 0], k, v, layout)
+    with pytest.raises(ValueError, match="softmax_scale must be a positive"):
+        ring_attention(q, k, v, layout, softmax_scale=-1.0)
