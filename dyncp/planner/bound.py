@@ -23,7 +23,9 @@ Why it is valid:
   least that sequence's best time alone;
 - every plan has at least one wave;
 - a plan runs each sequence at one CP size c, so both bounds hold for that c at once, hence the
-  minimum over c of their maximum, for every sequence.
+  minimum over c of their maximum, for every sequence;
+- the same holds for pairs of the longest-running sequences (``_pair_bound``): two groups whose
+  sizes add up to more than W share a rank, so their micro-batches run one after the other.
 
 DESIGN.md's first draft charged ceil(tokens / (W * capacity)) whole waves; that is not a bound when
 a group may run several micro-batches in one wave, so the fractional micro-batch form is used.
@@ -37,6 +39,9 @@ from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 
 __all__ = ["lower_bound", "min_cp_sizes"]
+
+# How many of the longest-running sequences the pair bound looks at (pairs: n*(n-1)/2).
+PAIR_CANDIDATES = 8
 
 
 def min_cp_sizes(lengths: np.ndarray, topology: Topology) -> np.ndarray:
@@ -80,4 +85,47 @@ def lower_bound(lengths: np.ndarray, topology: Topology, model: CostModel) -> fl
     # there and at least the mean busy time with it there; the plan picks one size per sequence.
     mean_busy = (cheapest.sum() - cheapest[None, :] + work) / w + constants
     per_sequence = np.maximum(alone, mean_busy).min(axis=0)
-    return float(per_sequence.max() + model.wave_overhead)
+    pairs = _pair_bound(lengths, topology, model, alone, work, cheapest, constants)
+    return float(max(per_sequence.max(), pairs) + model.wave_overhead)
+
+
+def _pair_bound(
+    lengths: np.ndarray,
+    topology: Topology,
+    model: CostModel,
+    alone: np.ndarray,
+    work: np.ndarray,
+    cheapest: np.ndarray,
+    constants: float,
+    top: int = PAIR_CANDIDATES,
+) -> float:
+    """The per-sequence bound for pairs of the longest-running sequences.
+
+    Two sequences on groups of sizes a + b > W always share a rank, so they run one after the
+    other: at least alone(a) + alone(b), or, at equal sizes, their shared micro-batch if it fits.
+    Otherwise they may overlap: at least the longer alone. Either way the mean busy time with
+    both at those sizes is a bound too; the plan picks one pair of sizes, hence the minimum.
+    """
+    n = len(lengths)
+    if n < 2:
+        return 0.0
+    sizes = np.asarray(topology.group_sizes)
+    w = topology.world
+    base = cheapest.sum() / w + constants
+    best_alone = alone.min(axis=0)
+    order = np.argsort(-best_alone, kind="stable")[:top].tolist()
+    out = 0.0
+    for x, i in enumerate(order):
+        for j in order[x + 1 :]:
+            busy = base + ((work[:, i] - cheapest[i])[:, None] + (work[:, j] - cheapest[j])) / w
+            serial = alone[:, i][:, None] + alone[:, j][None, :]
+            for k, cp in enumerate(sizes.tolist()):
+                pair = lengths[[i, j]]
+                both = np.isfinite(alone[k, i]) and np.isfinite(alone[k, j])
+                if both and CostModel.padded(cp, pair).sum() <= cp * topology.capacity:
+                    serial[k, k] = min(serial[k, k], model.microbatch_seconds(cp, pair))
+            overlap = np.maximum(alone[:, i][:, None], alone[:, j][None, :])
+            apart = sizes[:, None] + sizes[None, :] > w
+            value = np.maximum(np.where(apart, serial, overlap), busy)
+            out = max(out, float(value.min()))
+    return out

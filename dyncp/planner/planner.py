@@ -128,8 +128,10 @@ class Planner:
             budget = self.time_limit
             run = budget >= self.min_improve_seconds
         else:
-            budget = self.time_limit - (time.perf_counter() - start)
-            run = budget >= self.min_improve_seconds
+            left = self.time_limit - (time.perf_counter() - start)
+            run = left >= self.min_improve_seconds
+            # Keep a reserve for realising, validating and pricing the solver's answer.
+            budget = 0.9 * left - 0.02
         if not run or len(plan.lengths) == 0:
             self.solver_status_counts["SKIPPED"] += 1
             stats["solver"] = {"status": "SKIPPED", "reason": "not enough time left"}
