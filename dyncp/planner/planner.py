@@ -133,8 +133,9 @@ class Planner:
             # Keep a reserve for realising, validating and pricing the solver's answer.
             budget = 0.9 * left - 0.02
         if not run or len(plan.lengths) == 0:
+            reason = "empty batch" if len(plan.lengths) == 0 else "not enough time left"
             self.solver_status_counts["SKIPPED"] += 1
-            stats["solver"] = {"status": "SKIPPED", "reason": "not enough time left"}
+            stats["solver"] = {"status": "SKIPPED", "reason": reason}
             return plan
         assignment, result = self.cpsat.solve(Assignment.from_plan(plan, greedy.costs), budget)
         self.solver_status_counts[result.status.split(":")[0]] += 1
@@ -149,7 +150,15 @@ class Planner:
         }
         if result.objective_seconds is None:
             return plan
-        return self._keep_better(plan, assignment.to_plan(plan), "CP-SAT")
+        try:
+            candidate = assignment.to_plan(plan)
+        except (ValueError, IndexError) as exc:  # e.g. a sequence in a slot too small for it
+            log.warning(
+                "CP-SAT plan rejected (cannot be packed), keeping the previous one: %s", exc
+            )
+            self.solver_status_counts["REJECTED"] += 1
+            return plan
+        return self._keep_better(plan, candidate, "CP-SAT")
 
     def _keep_better(self, plan: StepPlan, candidate: StepPlan, who: str) -> StepPlan:
         try:

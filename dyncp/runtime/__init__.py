@@ -1,1 +1,12 @@
-"""Placeholder package: the runtime arrives with its own issue."""
+"""Runtime: pre-built communicators and the execution of a StepPlan on every rank."""
+
+from dyncp.runtime.executor import (
+    MicroBatchContext,
+    RankReport,
+    StepFailed,
+    execute,
+    label_tokens,
+)
+from dyncp.runtime.group_pool import GroupPool
+
+__all__ = ["GroupPool", "MicroBatchContext", "RankReport", "StepFailed", "execute", "label_tokens"]

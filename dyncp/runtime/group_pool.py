@@ -1,0 +1,142 @@
+"""GroupPool: every communicator a plan can need, created once, in one order, on every rank.
+
+Creating a process group is a collective over the whole job and costs milliseconds to seconds on
+NCCL, so switching layouts must never create one. The pool builds, at start-up, one group for
+every aligned block ``[k*c, (k+1)*c)`` of every allowed CP size c > 1 (size 1 needs no ring), on
+the DP x CP axis -- either the whole world or a sub-world of a larger job with TP/PP, given as
+the list of its global ranks in DP x CP order. All ranks of the job must construct the pool (a
+``new_group`` call is collective) with the same arguments; groups are created in the same order
+everywhere: sizes ascending, blocks ascending.
+
+On NCCL ``torch.distributed.split_group`` is used when this torch has it (one communicator split
+instead of one bootstrap per group); gloo and older torch use ``new_group``. Each group this rank
+belongs to is warmed up with a tiny all_reduce, so the first training step does not pay for lazy
+communicator initialisation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupPool"]
+
+
+class GroupPool:
+    """Pre-built process groups for every aligned block of every allowed CP size.
+
+    Args:
+        ranks: global ranks of the DP x CP axis in order (default: the whole world).
+        group_sizes: allowed CP sizes (default: every power of two dividing ``len(ranks)``).
+        warmup: run one all_reduce on each own group right away.
+        timeout: optional timeout for the new groups (default: the job's).
+
+    Attributes:
+        world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
+        created: number of groups created; ``creation_seconds``: wall time of creating them.
+        axis_group: a group over the whole axis, for synchronisation points.
+    """
+
+    def __init__(
+        self,
+        *,
+        ranks: Sequence[int] | None = None,
+        group_sizes: Sequence[int] | None = None,
+        warmup: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("GroupPool needs torch.distributed to be initialised first")
+        job = dist.get_world_size()
+        self.ranks = tuple(range(job)) if ranks is None else tuple(int(r) for r in ranks)
+        bad = [r for r in self.ranks if not 0 <= r < job]
+        if bad or len(set(self.ranks)) != len(self.ranks) or not self.ranks:
+            raise ValueError(
+                f"GroupPool ranks must be distinct global ranks in [0, {job}), got {list(ranks)}"
+            )
+        self.world = len(self.ranks)
+        if group_sizes is None:
+            group_sizes = [
+                1 << k for k in range(self.world.bit_length()) if self.world % (1 << k) == 0
+            ]
+        sizes = sorted(set(int(c) for c in group_sizes))
+        wrong = [c for c in sizes if c < 1 or c & (c - 1) or self.world % c]
+        if wrong:
+            raise ValueError(
+                f"group sizes {wrong} not allowed: each must be a power of two dividing the "
+                f"DP x CP axis of {self.world} ranks"
+            )
+        self.group_sizes = tuple(sizes)
+        me = dist.get_rank()
+        self.position = self.ranks.index(me) if me in self.ranks else None
+        self.backend = dist.get_backend()
+        kwargs = {} if timeout is None else {"timeout": _timedelta(timeout)}
+        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        start = time.perf_counter()
+        self.axis_group = self._new_group(list(self.ranks), kwargs) if self.world < job else None
+        self.created = 0
+        for size in self.group_sizes:
+            if size == 1:
+                continue
+            for first in range(0, self.world, size):
+                members = list(self.ranks[first : first + size])
+                group = self._new_group(members, kwargs)
+                self.created += 1
+                if self.position is not None and first <= self.position < first + size:
+                    self._groups[(first, size)] = group
+        if warmup:
+            for group in self._groups.values():
+                dist.all_reduce(torch.zeros(1), group=group)
+        self.creation_seconds = time.perf_counter() - start
+
+    def _new_group(self, members: list[int], kwargs: dict) -> dist.ProcessGroup:
+        split = getattr(dist, "split_group", None)
+        if self.backend == "nccl" and split is not None:
+            return split(split_ranks=[members], **kwargs)
+        return dist.new_group(ranks=members, **kwargs)
+
+    def group(self, start: int, size: int) -> dist.ProcessGroup | None:
+        """The group of the aligned block ``[start, start + size)`` (None for size 1).
+
+        Raises:
+            ValueError: the block is not one the pool built, or this rank is not in it; the
+                message names the ranks.
+        """
+        if size == 1:
+            return None
+        key = (int(start), int(size))
+        if key not in self._groups:
+            members = list(self.ranks[start : start + size])
+            raise ValueError(
+                f"no pre-built group for ranks {members} (block start {start}, size {size}) on "
+                f"rank {dist.get_rank()}; the pool holds sizes {list(self.group_sizes)} on aligned "
+                f"blocks of the axis {list(self.ranks)}"
+            )
+        return self._groups[key]
+
+    def has_block(self, start: int, size: int) -> bool:
+        """Whether a plan group on ``[start, start + size)`` can run (built, or size 1)."""
+        aligned = size >= 1 and start % size == 0 and 0 <= start <= self.world - size
+        return aligned and size in self.group_sizes
+
+    def barrier(self) -> None:
+        """Synchronise the whole DP x CP axis (where group membership changes)."""
+        if self.axis_group is None:
+            dist.barrier()
+        else:
+            dist.barrier(group=self.axis_group)
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupPool(world={self.world}, sizes={list(self.group_sizes)}, "
+            f"created={self.created}, creation_seconds={self.creation_seconds:.3f})"
+        )
+
+
+def _timedelta(seconds: float):  # noqa: ANN202 - tiny helper
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,90 @@
+"""Run a function on N spawned gloo ranks on CPU, with a deadline instead of a hang.
+
+    results = run_gloo(worker, world=4, args=(...,), timeout=60)   # one result per rank
+
+``worker(rank, world, *args)`` must be importable (a module-level function). Each rank's return
+value comes back (pickled); an exception on any rank fails the whole run with that rank's
+traceback; ranks that do not finish by the deadline are killed and reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_gloo", "SpawnError"]
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised, or the ranks did not finish in time."""
+
+
+def _entry(rank: int, fn: Callable, world: int, tmp: str, args: tuple, pg_timeout: float) -> None:
+    torch.set_num_threads(1)
+    out = Path(tmp, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    out.write_bytes(pickle.dumps(result))
+
+
+def run_gloo(
+    fn: Callable[..., Any],
+    *,
+    world: int,
+    args: tuple = (),
+    timeout: float = 120.0,
+    pg_timeout: float = 30.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return their results in order.
+
+    Args:
+        timeout: seconds for the whole run before the ranks are killed.
+        pg_timeout: the process group's own timeout (bounds any blocked collective).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world, tmp, args, pg_timeout),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise SpawnError(f"{world} gloo ranks did not finish within {timeout} s")
+        results = []
+        for rank in range(world):
+            path = Path(tmp, f"rank{rank}.pkl")
+            if not path.exists():
+                raise SpawnError(f"rank {rank} exited without a result")
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                raise SpawnError(f"rank {rank} raised:\n{value}")
+            results.append(value)
+        return results
