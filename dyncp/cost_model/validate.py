@@ -1,0 +1,138 @@
+"""Check a profile against reality: ``python -m dyncp.cost_model.validate --profile P``.
+
+    torchrun --nproc-per-node 4 -m dyncp.cost_model.validate --profile profiles/cpu-gloo.json
+
+Runs real micro-batches of the profile's model (forward + backward of the tiny decoder through
+dyncp's ring attention) under CP sizes 1, 2, 4 (every size the world allows), packs of random
+real-distribution lengths that fill ``--capacity`` tokens per rank, on every rank at once (rings
+of the same size side by side, as in a training wave). Measured: the median over repeats of the
+slowest rank's time. Predicted: ``CostModel.microbatch_seconds(cp, lengths)``. Prints the mean
+absolute percentage error (MAPE) per CP size and overall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dyncp.cost_model.model import CostModel
+from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
+from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+
+__all__ = ["main", "random_pack"]
+
+
+def random_pack(pool: np.ndarray, cp: int, capacity: int, rng: np.random.Generator) -> list[int]:
+    """Lengths drawn from ``pool`` until the next would overflow ``capacity`` tokens per rank."""
+    out: list[int] = []
+    tokens = 0
+    unit = 1 if cp == 1 else 2 * cp
+    while True:
+        s = int(min(rng.choice(pool), cp * capacity))
+        padded = -(-s // unit) * unit
+        if tokens + padded > cp * capacity:
+            return out or [s]
+        out.append(s)
+        tokens += padded
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m dyncp.cost_model.validate", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--profile", required=True)
+    p.add_argument("--capacity", type=int, default=1024, help="tokens per rank per micro-batch")
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--cases", type=int, default=6, help="packs per CP size")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    args = p.parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    model_cost = CostModel.load(args.profile, ranks_per_node=world)
+    shape = model_cost.profile.model
+    cfg = TinyConfig(
+        vocab=shape.vocab_size,
+        dim=shape.hidden_size,
+        heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads,
+        layers=shape.num_layers,
+        ffn=shape.ffn_hidden_size,
+    )
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg).to(dtype)
+    pool = load_lengths(resolve_dataset(args.dataset))
+    rng = np.random.default_rng(0)
+    sizes = [c for c in (1, 2, 4, 8) if c <= world and world % c == 0]
+    groups = {
+        c: [dist.new_group(list(range(b, b + c))) for b in range(0, world, c)]
+        for c in sizes
+        if c > 1
+    }
+    rows = []
+    for cp in sizes:
+        group = None if cp == 1 else groups[cp][rank // cp]
+        for _ in range(args.cases):
+            seqlens = random_pack(pool, cp, args.capacity, rng)
+            tokens = torch.randint(0, cfg.vocab, (sum(seqlens),))
+            labels = next_token_labels(tokens, seqlens)
+            me = rank % cp
+            layout = make_ring_layout(seqlens=seqlens, cp=cp, group=group, rank=rank)
+            tok = zigzag_shard(tokens, seqlens=seqlens, cp=cp, rank=me)
+            lab = zigzag_shard(labels, seqlens=seqlens, cp=cp, rank=me, pad_value=-100)
+            pos = zigzag_positions(seqlens=seqlens, cp=cp, rank=me)
+
+            def step(tok=tok, lab=lab, pos=pos, layout=layout) -> None:
+                model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
+
+            times = []
+            for r in range(args.repeats + 1):
+                if distributed:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                if distributed:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if r:  # the first run is a warm-up
+                    times.append(float(t.item()))
+            measured = statistics.median(times)
+            predicted = model_cost.microbatch_seconds(cp, seqlens)
+            rows.append((cp, len(seqlens), sum(seqlens), measured, predicted))
+    if rank == 0:
+        print(
+            f"profile {args.profile}, {world} processes, capacity {args.capacity}, "
+            f"{args.cases} packs per CP size, median of {args.repeats}"
+        )
+        print(
+            f"{'cp':>3}{'seqs':>6}{'tokens':>8}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
+        )
+        for cp, n, tok, m, pr in rows:
+            print(f"{cp:>3}{n:>6}{tok:>8}{m * 1e3:>13.2f}{pr * 1e3:>14.2f}{(pr - m) / m:>8.1%}")
+        errors = {}
+        for cp in sizes:
+            e = [abs(pr - m) / m for c, _, _, m, pr in rows if c == cp]
+            errors[cp] = float(np.mean(e))
+            print(f"MAPE cp={cp}: {errors[cp]:.1%}")
+        overall = float(np.mean([abs(pr - m) / m for _, _, _, m, pr in rows]))
+        print(f"MAPE overall: {overall:.1%}")
+        sys.stdout.flush()
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
