@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import time
 import warnings
@@ -29,7 +28,6 @@ from dyncp.ring_attention import (
     BlockSpec,
     KernelFallbackWarning,
     MathKernel,
-    RingLayout,
     SdpaKernel,
     make_ring_layout,
     merge_block,
@@ -88,8 +86,8 @@ def make_case(
         # Rounded to the case dtype so the reference sees exactly the ring's inputs.
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DTYPES[dtype]).double()
 
-    q, k, v = randn(total, heads, head_dim), randn(total, kv_heads, head_dim)
-    v = randn(total, kv_heads, head_dim)
+    q = randn(total, heads, head_dim)
+    k, v = randn(total, kv_heads, head_dim), randn(total, kv_heads, head_dim)
     dout = randn(total, heads, head_dim)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = reference_attention(*leaves, seqlens=seqlens, causal=causal)
@@ -131,16 +129,22 @@ def test_merge_of_two_key_halves_is_full_attention(dtype: torch.dtype) -> None:
     q, k, v = _rand(7, 2, 8, dtype=dtype), _rand(10, 2, 8, dtype=dtype, seed=1), _rand(10, 2, 8)
     v = v.to(dtype)
     kernel = MathKernel()
-    full, full_lse = kernel.forward(q, k, v, spec=BlockSpec((0, 7), (0, 10), False), softmax_scale=0.3)
+    full, full_lse = kernel.forward(
+        q, k, v, spec=BlockSpec((0, 7), (0, 10), False), softmax_scale=0.3
+    )
     out = torch.zeros_like(full)
     lse = torch.full((7, 2), -math.inf, dtype=full.dtype)
     for lo, hi in ((0, 4), (4, 10)):
-        o, s = kernel.forward(q, k[lo:hi], v[lo:hi], spec=BlockSpec((0, 7), (0, hi - lo), False), softmax_scale=0.3)
+        o, s = kernel.forward(
+            q, k[lo:hi], v[lo:hi], spec=BlockSpec((0, 7), (0, hi - lo), False), softmax_scale=0.3
+        )
         out, lse = merge_block(out, lse, o, s.t())
     assert (out - full).abs().max() <= TOL[dtype]
     assert (lse - full_lse.t()).abs().max() <= TOL[dtype]
     # A block that saw no key (lse -inf) leaves the accumulator unchanged.
-    same_out, same_lse = merge_block(out, lse, torch.zeros_like(out), torch.full_like(lse, -math.inf))
+    same_out, same_lse = merge_block(
+        out, lse, torch.zeros_like(out), torch.full_like(lse, -math.inf)
+    )
     assert torch.equal(same_out, out) and torch.equal(same_lse, lse)
 
 
@@ -188,7 +192,9 @@ def _dense_reference(q, k, v, lens_q, lens_k, causal, scale):
     """Per-sequence softmax with bottom-right causality; rows without keys give 0 and -inf."""
     group = q.shape[1] // k.shape[1]
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(_cum(lens_q), _cum(lens_q)[1:]), zip(_cum(lens_k), _cum(lens_k)[1:])):
+    for (q0, q1), (k0, k1) in zip(
+        zip(_cum(lens_q), _cum(lens_q)[1:]), zip(_cum(lens_k), _cum(lens_k)[1:])
+    ):
         kk = k[k0:k1].repeat_interleave(group, dim=1)
         vv = v[k0:k1].repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
@@ -274,3 +280,250 @@ def test_cp1_is_local_attention_and_inputs_are_checked() -> None:
         ring_attention(q[:, 0], k, v, layout)
     with pytest.raises(ValueError, match="softmax_scale must be a positive"):
         ring_attention(q, k, v, layout, softmax_scale=-1.0)
+
+
+# ------------------------------------------------------------------------------ spawned rings
+
+
+def _groups(world: int) -> dict[int, list]:
+    """Every aligned group of sizes 2, 4, .. world, created in the same order on every rank."""
+    groups, size = {}, 2
+    while size <= world:
+        groups[size] = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+        size *= 2
+    return groups
+
+
+def _run_case(
+    case: dict, *, cp: int, index: int, group, layout_seqlens: list[int] | None = None
+) -> dict:
+    """Run one case on this rank and return its max errors on real tokens (and sanity flags)."""
+    dtype, seqlens = DTYPES[case["dtype"]], case["seqlens"]
+    layout = make_ring_layout(seqlens=layout_seqlens or seqlens, cp=cp, group=group)
+    real = zigzag_token_index(seqlens=seqlens, cp=cp, rank=index) >= 0
+    garbage = torch.Generator().manual_seed(1000 + dist.get_rank())
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        # Padding rows hold large garbage: it must reach neither outputs nor gradients.
+        x = zigzag_shard(t, seqlens=seqlens, cp=cp, rank=index).to(dtype)
+        noise = torch.randn(x.shape, generator=garbage, dtype=torch.float64).to(dtype) * 10
+        return torch.where(real[:, None, None], x, noise).requires_grad_()
+
+    q, k, v = local(case["q"]), local(case["k"]), local(case["v"])
+    out = ring_attention(q, k, v, layout, causal=case["causal"], kernel=case["kernel"])
+    out.backward(local(case["dout"]).detach())
+    errors = {}
+    for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        want = zigzag_shard(case[name], seqlens=seqlens, cp=cp, rank=index)
+        diff = (got.detach()[real].double() - want[real]).abs()
+        errors[name] = float(diff.max()) if diff.numel() else 0.0
+    tensors = (out, q.grad, k.grad, v.grad)
+    return dict(
+        errors=errors,
+        finite=all(bool(torch.isfinite(t).all()) for t in tensors),
+        dtypes_kept=all(t.dtype == dtype for t in tensors),
+        padding_grads_zero=all(bool((t[~real] == 0).all()) for t in tensors[1:]),
+    )
+
+
+def _negative_checks(world: int, groups: dict, cases: list[dict]) -> dict:
+    """Wrong layouts must give a mismatch or a ValueError, never a silent pass."""
+    rank, found = dist.get_rank(), {}
+    group = groups[world][0]
+    # 1. Lengths in the wrong order: same token count, wrong sequence boundaries.
+    case = cases[2]
+    wrong = _run_case(case, cp=world, index=rank, group=group, layout_seqlens=case["seqlens"][::-1])
+    found["reordered_max_error"] = max(wrong["errors"].values())
+    # 2. A layout claiming another rank's place in the ring (fails on every rank, before any I/O).
+    layout = make_ring_layout(seqlens=case["seqlens"], cp=world, group=group)
+    bad = dataclasses.replace(layout, rank=(layout.rank + 1) % world)
+    n = layout.local_tokens
+    try:
+        ring_attention(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), torch.zeros(n, 2, 8), bad)
+    except ValueError as exc:
+        found["wrong_rank"] = str(exc)
+    # 3. A group of the wrong size for cp, and (world >= 4) a group without this rank.
+    try:
+        make_ring_layout(seqlens=[4], cp=2 * world, group=group)
+    except ValueError as exc:
+        found["wrong_size"] = str(exc)
+    if world >= 4 and rank < 2:
+        try:
+            make_ring_layout(seqlens=[4], cp=2, group=groups[2][1])
+        except ValueError as exc:
+            found["not_member"] = str(exc)
+    return found
+
+
+def _worker(rank: int, world: int, tmp: str, plan: list) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=HANG_SECONDS),
+    )
+    try:
+        cases = torch.load(f"{tmp}/../cases.pt", weights_only=False)
+        groups = _groups(world)
+        records = []
+        # No barrier between phases: each ring's traffic stays in its own group.
+        for phase, (cp, assignment) in enumerate(plan):
+            block, index = divmod(rank, cp)
+            group = None if cp == 1 else groups[cp][block]
+            for cid in assignment[block]:
+                result = _run_case(cases[cid], cp=cp, index=index, group=group)
+                records.append(dict(phase=phase, cp=cp, case=cid, dtype=cases[cid]["dtype"]))
+                records[-1].update(result)
+        negatives = _negative_checks(world, groups, cases)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(dict(records=records, negatives=negatives)))
+
+
+def _spawn(world: int, tmp: Path, plan: list) -> list[dict]:
+    """Run ``plan`` on ``world`` spawned gloo ranks; fail (not hang) if they do not finish."""
+    ctx = mp.start_processes(
+        _worker, args=(world, str(tmp), plan), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 4 * HANG_SECONDS
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"ring workers (world {world}) did not finish in {4 * HANG_SECONDS} s")
+    return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+NUM_CASES = 24
+
+
+@pytest.fixture(scope="module")
+def case_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ring")
+    torch.save(make_cases(NUM_CASES, seed=20240611), root / "cases.pt")
+    return root
+
+
+def _check(results: list[dict], world: int) -> dict:
+    """Assert every record within tolerance and the negative checks; return the max errors."""
+    worst: dict[str, float] = {"float64": 0.0, "float32": 0.0}
+    for rank, res in enumerate(results):
+        for rec in res["records"]:
+            tol = TOL[DTYPES[rec["dtype"]]]
+            where = f"rank {rank} phase {rec['phase']} cp={rec['cp']} case {rec['case']}"
+            assert rec["finite"], f"non-finite outputs or gradients at {where}"
+            assert rec["dtypes_kept"], f"output or gradient dtype changed at {where}"
+            assert rec["padding_grads_zero"], f"padding rows got gradient at {where}"
+            for name, err in rec["errors"].items():
+                assert err <= tol, f"{name} error {err:.3g} > {tol:g} at {where}"
+                worst[rec["dtype"]] = max(worst[rec["dtype"]], err)
+        neg = res["negatives"]
+        assert "this process is global rank" in neg["wrong_rank"]
+        assert f"group has {world} ranks" in neg["wrong_size"]
+        if world >= 4 and rank < 2:
+            assert "does not contain this rank" in neg["not_member"]
+    assert max(r["negatives"]["reordered_max_error"] for r in results) > 1e-3
+    f64, f32 = worst["float64"], worst["float32"]
+    print(f"world {world}: max abs error float64 {f64:.2e}, float32 {f32:.2e}")
+    return worst
+
+
+def _ids(start: int, count: int) -> list[int]:
+    return [(start + i) % NUM_CASES for i in range(count)]
+
+
+def test_ring_world_2(case_dir: Path) -> None:
+    tmp = case_dir / "w2"
+    tmp.mkdir()
+    plan = [(2, [_ids(0, NUM_CASES)]), (1, [_ids(0, 4), _ids(4, 4)])]
+    _check(_spawn(2, tmp, plan), 2)
+
+
+def test_ring_world_4_switches_cp4_two_cp2_rings_cp4(case_dir: Path) -> None:
+    tmp = case_dir / "w4"
+    tmp.mkdir()
+    plan = [
+        (4, [_ids(0, 12)]),
+        (2, [_ids(12, 6), _ids(18, 6)]),  # two rings at once, different micro-batches
+        (4, [_ids(12, 12)]),
+    ]
+    _check(_spawn(4, tmp, plan), 4)
+
+
+def test_ring_world_8(case_dir: Path) -> None:
+    tmp = case_dir / "w8"
+    tmp.mkdir()
+    plan = [(8, [_ids(0, 6)]), (4, [_ids(6, 3), _ids(9, 3)])]
+    _check(_spawn(8, tmp, plan), 8)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["sdpa", "flash"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_kernels_match_math(name: str, dtype: torch.dtype) -> None:
+    from dyncp.ring_attention import make_kernel
+
+    kernel = make_kernel(name)
+    dev = torch.device("cuda")
+    reason = kernel.unsupported(device=dev, dtype=dtype, head_dim=64, v_head_dim=64)
+    if reason:
+        pytest.skip(reason)
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    for lens_q, lens_k, causal in KERNEL_SPECS[:2]:
+        spec = BlockSpec(tuple(_cum(lens_q)), tuple(_cum(lens_k)), causal).on(dev)
+        q = _rand(sum(lens_q), 8, 64, dtype=torch.float32, seed=1).to(dev, dtype)
+        k = _rand(sum(lens_k), 2, 64, dtype=torch.float32, seed=2).to(dev, dtype)
+        v = _rand(sum(lens_k), 2, 64, dtype=torch.float32, seed=3).to(dev, dtype)
+        out, lse = kernel.forward(q, k, v, spec=spec, softmax_scale=0.125)
+        ref, ref_lse = MathKernel().forward(q, k, v, spec=spec, softmax_scale=0.125)
+        assert (out.float() - ref).abs().max() <= tol
+        assert (lse - ref_lse).abs().max() <= tol
+        dout = torch.randn_like(q)
+        got = kernel.backward(dout, q, k, v, ref.to(dtype), ref_lse, spec=spec, softmax_scale=0.125)
+        want = MathKernel().backward(
+            dout, q, k, v, ref.to(dtype), ref_lse, spec=spec, softmax_scale=0.125
+        )
+        for a, b in zip(got, want):
+            assert (a.float() - b).abs().max() <= tol * 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cp1_ring_matches_reference() -> None:
+    seqlens = [1, 100, 1000, 37]
+    dev, total = torch.device("cuda"), sum(seqlens)
+    layout = make_ring_layout(seqlens=seqlens, cp=1)
+    q = _rand(total, 8, 64, dtype=torch.float32, seed=1).to(dev).requires_grad_()
+    k = _rand(total, 2, 64, dtype=torch.float32, seed=2).to(dev).requires_grad_()
+    v = _rand(total, 2, 64, dtype=torch.float32, seed=3).to(dev).requires_grad_()
+    out = ring_attention(q, k, v, layout, kernel="auto")
+    ref = reference_attention(q.double(), k.double(), v.double(), seqlens=seqlens, causal=True)
+    assert (out.double() - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kernel", ["math", "sdpa"])
+def test_cp1_strided_and_bfloat16_inputs(kernel: str) -> None:
+    """q/k/v sliced out of a packed qkv tensor; bfloat16 keeps its dtype with float32 merging."""
+    seqlens = [3, 50, 17]
+    total = sum(seqlens)
+    layout = make_ring_layout(seqlens=seqlens, cp=1)
+    for dtype, tol in ((torch.float64, TOL[torch.float64]), (torch.bfloat16, 3e-2)):
+        qkv = _rand(total, 3, 4, 16, seed=5).to(dtype).requires_grad_()
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        assert not q.is_contiguous()
+        out = ring_attention(q, k, v, layout, kernel=kernel)
+        (grad,) = torch.autograd.grad(out, qkv, torch.ones_like(out))
+        ref_in = qkv.detach().double().requires_grad_()
+        ref = reference_attention(
+            ref_in[:, 0], ref_in[:, 1], ref_in[:, 2], seqlens=seqlens, causal=True
+        )
+        (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+        assert out.dtype == dtype and grad.dtype == dtype
+        assert (out.double() - ref).abs().max() <= tol
+        assert (grad.double() - ref_grad).abs().max() <= tol * 4

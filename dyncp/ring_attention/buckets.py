@@ -3,7 +3,8 @@
 The math and SDPA kernels turn a varlen :class:`BlockSpec` into a few dense batches. Sequences
 are grouped by the power-of-two class of their query and key lengths, so padding wastes at most
 half of each dimension and one long sequence never forces a thousand short ones to its length;
-a batch is further split so that its score matrix stays under a size budget.
+a batch is further split so that its score matrix stays under a size budget. A batch of one
+sequence is a view of the rows (no copy, no padding), which is the common case for long ones.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class PaddedBatch:
     """``n`` sequences of a spec padded to ``(n, Mq)`` query rows and ``(n, Mk)`` key rows.
 
     Padding slots point at a real row of the same sequence (so gathers stay in bounds) and are
-    flagged False in ``q_valid`` / ``k_valid``.
+    flagged False in ``q_valid`` / ``k_valid``. ``uniform`` says that there are no padding slots
+    (every sequence has ``Mq`` queries and ``Mk`` keys); ``q_span`` / ``k_span`` are the row
+    slices of a single-sequence batch, gathered as views.
     """
 
     q_index: torch.Tensor
@@ -32,29 +35,54 @@ class PaddedBatch:
     k_valid: torch.Tensor
     q_lens: torch.Tensor
     k_lens: torch.Tensor
+    uniform: bool
+    q_span: slice | None
+    k_span: slice | None
+
+    @property
+    def max_q(self) -> int:
+        return self.q_index.shape[1]
+
+    @property
+    def max_k(self) -> int:
+        return self.k_index.shape[1]
 
     def gather_q(self, x: torch.Tensor) -> torch.Tensor:
         """``(T, H, D)`` rows -> ``(n, H, Mq, D)``."""
-        return x[self.q_index].permute(0, 2, 1, 3)
+        rows = x[self.q_span].unsqueeze(0) if self.q_span is not None else x[self.q_index]
+        return rows.permute(0, 2, 1, 3)
 
     def gather_k(self, x: torch.Tensor) -> torch.Tensor:
         """``(T, H, D)`` rows -> ``(n, H, Mk, D)``."""
-        return x[self.k_index].permute(0, 2, 1, 3)
+        rows = x[self.k_span].unsqueeze(0) if self.k_span is not None else x[self.k_index]
+        return rows.permute(0, 2, 1, 3)
 
     def scatter_q(self, dst: torch.Tensor, y: torch.Tensor) -> None:
         """Write ``(n, H, Mq, D)`` back to the valid rows of ``dst`` ``(T, H, D)``."""
-        dst[self.q_index[self.q_valid]] = y.permute(0, 2, 1, 3)[self.q_valid].to(dst.dtype)
+        if self.q_span is not None:
+            dst[self.q_span] = y[0].permute(1, 0, 2)
+        else:
+            dst[self.q_index[self.q_valid]] = y.permute(0, 2, 1, 3)[self.q_valid].to(dst.dtype)
 
     def scatter_k(self, dst: torch.Tensor, y: torch.Tensor) -> None:
         """Write ``(n, H, Mk, D)`` back to the valid rows of ``dst`` ``(T, H, D)``."""
-        dst[self.k_index[self.k_valid]] = y.permute(0, 2, 1, 3)[self.k_valid].to(dst.dtype)
+        if self.k_span is not None:
+            dst[self.k_span] = y[0].permute(1, 0, 2)
+        else:
+            dst[self.k_index[self.k_valid]] = y.permute(0, 2, 1, 3)[self.k_valid].to(dst.dtype)
 
     def scatter_lse(self, dst: torch.Tensor, lse: torch.Tensor) -> None:
         """Write ``(n, H, Mq)`` back to the valid columns of ``dst`` ``(H, T)``."""
-        dst[:, self.q_index[self.q_valid]] = lse.permute(0, 2, 1)[self.q_valid].t().to(dst.dtype)
+        if self.q_span is not None:
+            dst[:, self.q_span] = lse[0]
+        else:
+            valid = lse.permute(0, 2, 1)[self.q_valid]
+            dst[:, self.q_index[self.q_valid]] = valid.t().to(dst.dtype)
 
     def gather_lse(self, lse: torch.Tensor, fill: float) -> torch.Tensor:
         """``(H, T)`` -> ``(n, H, Mq)``, padding slots set to ``fill``."""
+        if self.q_span is not None:
+            return lse[:, self.q_span].unsqueeze(0)
         out = lse[:, self.q_index].permute(1, 0, 2)
         return out.masked_fill(~self.q_valid[:, None, :], fill)
 
@@ -62,8 +90,8 @@ class PaddedBatch:
         """``(n, 1, Mq, Mk)`` bool: True where a real query may attend a real key."""
         allowed = self.q_valid[:, :, None] & self.k_valid[:, None, :]
         if causal:
-            i = torch.arange(self.q_index.shape[1], device=allowed.device)
-            j = torch.arange(self.k_index.shape[1], device=allowed.device)
+            i = torch.arange(self.max_q, device=allowed.device)
+            j = torch.arange(self.max_k, device=allowed.device)
             shift = (self.k_lens - self.q_lens)[:, None, None]
             allowed = allowed & (j[None, None, :] <= i[None, :, None] + shift)
         return allowed[:, None]
@@ -98,14 +126,28 @@ def padded_batches(
 
 
 def _batch(spec: BlockSpec, seqs: list[int], device: torch.device) -> PaddedBatch:
-    def rows(cu: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        starts = torch.tensor([cu[i] for i in seqs], dtype=torch.int64, device=device)
-        lens = torch.tensor([cu[i + 1] - cu[i] for i in seqs], dtype=torch.int64, device=device)
-        ar = torch.arange(int(lens.max()), device=device)
+    def rows(cu: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        starts_list = [cu[i] for i in seqs]
+        lens_list = [cu[i + 1] - cu[i] for i in seqs]
+        starts = torch.tensor(starts_list, dtype=torch.int64, device=device)
+        lens = torch.tensor(lens_list, dtype=torch.int64, device=device)
+        ar = torch.arange(max(lens_list), device=device)
         valid = ar[None, :] < lens[:, None]
         index = torch.where(valid, starts[:, None] + ar[None, :], starts[:, None])
-        return index, valid, lens
+        return index, valid, lens, lens_list
 
-    q_index, q_valid, q_lens = rows(spec.cu_seqlens_q)
-    k_index, k_valid, k_lens = rows(spec.cu_seqlens_k)
-    return PaddedBatch(q_index, q_valid, k_index, k_valid, q_lens, k_lens)
+    q_index, q_valid, q_lens, lq = rows(spec.cu_seqlens_q)
+    k_index, k_valid, k_lens, lk = rows(spec.cu_seqlens_k)
+    single = len(seqs) == 1
+    i = seqs[0]
+    return PaddedBatch(
+        q_index=q_index,
+        q_valid=q_valid,
+        k_index=k_index,
+        k_valid=k_valid,
+        q_lens=q_lens,
+        k_lens=k_lens,
+        uniform=len(set(lq)) == 1 and len(set(lk)) == 1,
+        q_span=slice(spec.cu_seqlens_q[i], spec.cu_seqlens_q[i + 1]) if single else None,
+        k_span=slice(spec.cu_seqlens_k[i], spec.cu_seqlens_k[i + 1]) if single else None,
+    )

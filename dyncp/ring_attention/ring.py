@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from dyncp.ring_attention.block import BlockKernel, acc_dtype
 from dyncp.ring_attention.comm import PendingExchange, ring_exchange
@@ -131,13 +132,17 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         kernel: BlockKernel,
     ) -> torch.Tensor:
-        steps = zigzag_steps(layout, causal=causal, device=q.device)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        steps = zigzag_steps(
+            seqlens=layout.seqlens, cp=layout.cp, rank=layout.rank, causal=causal, device=q.device
+        )
         out, lse = _ring_forward(q, k, v, layout=layout, steps=steps, kernel=kernel, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = (layout, steps, kernel, scale)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -152,6 +157,13 @@ class _RingAttention(torch.autograd.Function):
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
+
+
+def _put(dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+    if rows is None:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(0, rows, src.to(dst.dtype))
 
 
 def _add(dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
@@ -176,7 +188,7 @@ def _ring_forward(
     tokens, heads = q.shape[0], q.shape[1]
     out = torch.zeros((tokens, heads, v.shape[2]), dtype=acc, device=q.device)
     lse = torch.full((tokens, heads), -math.inf, dtype=acc, device=q.device)
-    kv = [k.contiguous(), v.contiguous()]
+    kv = [k, v]
     for i in range(layout.cp):
         pending = ring_exchange(kv, layout=layout, tags=_KV_TAGS) if i + 1 < layout.cp else None
         step = steps[(layout.rank - i) % layout.cp]
@@ -188,7 +200,11 @@ def _ring_forward(
                 spec=step.spec,
                 softmax_scale=scale,
             )
-            if step.q_rows is None:
+            if i == 0:
+                # Nothing merged yet: the merge would return the block exactly, so copy it.
+                _put(out, step.q_rows, block_out)
+                _put(lse, step.q_rows, block_lse.t())
+            elif step.q_rows is None:
                 out, lse = merge_block(out, lse, block_out, block_lse.t())
             else:
                 rows = step.q_rows
@@ -215,7 +231,7 @@ def _ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = [k.contiguous(), v.contiguous()]
+    kv = [k, v]
     dkv_pending: PendingExchange | None = None
     dkv: list[torch.Tensor] = []
     for i in range(layout.cp):

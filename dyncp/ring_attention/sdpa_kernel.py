@@ -2,7 +2,7 @@
 
 The public ``scaled_dot_product_attention`` hides the log-sum-exp that ring merging needs, so this
 kernel calls the underlying aten operators directly, on the dense padded batches of
-``buckets.py`` with an additive mask for padding and causality:
+``buckets.py``:
 
 * CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): float64, float32,
   bfloat16, float16.
@@ -10,8 +10,11 @@ kernel calls the underlying aten operators directly, on the dense padded batches
   float16. Written against the operator schemas of torch 2.13 and checked only by the GPU tests
   (``tests/test_ring_attention.py``, skipped without CUDA).
 
-K/V heads are repeated to the query heads for grouped-query attention (the operators' own GQA
-support differs between versions) and the key gradients are summed back.
+A batch without padding slots (always the case for a batch of one sequence, hence for long
+sequences) runs without a mask, causal through the operator's own flag (top-left aligned, which
+equals bottom-right when ``Mq == Mk``). Other batches get an additive mask for padding and
+causality. K/V heads are repeated to the query heads for grouped-query attention (the operators'
+own GQA support differs between versions) and the key gradients are summed back.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _align(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+class _Masking:
+    """How one padded batch is masked: ``bias`` (or None and ``causal``) and its keyless rows."""
+
+    def __init__(self, b: PaddedBatch, *, causal: bool, dtype: torch.dtype, heads: int) -> None:
+        if b.uniform and (not causal or b.max_q == b.max_k):
+            self.bias, self.causal, self.empty = None, causal, None
+            return
+        allowed = b.mask(causal=causal)
+        self.empty = ~allowed.any(dim=-1)  # (n, 1, Mq): rows that see no key, padding slots too
+        # Keyless rows would give NaN in some operators: open them, and overwrite their results
+        # afterwards (output 0, lse -inf). The CUDA operator wants 16-aligned bias rows; a slice
+        # of an aligned buffer satisfies it on every device.
+        allowed = allowed | self.empty[..., None]
+        n, _, mq, mk = allowed.shape
+        buf = torch.zeros((n, 1, mq, _align(mk, 16)), dtype=dtype, device=allowed.device)
+        bias = buf[..., :mk]
+        bias.masked_fill_(~allowed, -math.inf)
+        self.bias, self.causal = bias.expand(n, heads, mq, mk), False
 
 
 class SdpaKernel:
@@ -64,33 +87,9 @@ class SdpaKernel:
             return f"the sdpa kernel on {device.type} supports {names}; got {dtype}"
         return None
 
-    # ------------------------------------------------------------------------------- helpers
     def _batches(self, spec: BlockSpec, device: torch.device) -> list[PaddedBatch]:
         return padded_batches(spec, device=device, max_score_elements=self.max_score_elements)
 
-    @staticmethod
-    def _bias(b: PaddedBatch, *, causal: bool, dtype: torch.dtype, heads: int) -> torch.Tensor:
-        """Additive mask ``(n, heads, Mq, Mk)``; rows with no visible key are left open.
-
-        Fully masked rows would give NaN in some operators; their results are replaced afterwards
-        (output 0, lse -inf), so opening them is harmless.
-        """
-        allowed = b.mask(causal=causal)
-        allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
-        n, _, mq, mk = allowed.shape
-        # The CUDA operator wants the bias rows 16-aligned in memory; a slice of an aligned
-        # buffer satisfies it on every device.
-        buf = torch.zeros((n, 1, mq, _align(mk, 16)), dtype=dtype, device=allowed.device)
-        bias = buf[..., :mk]
-        bias.masked_fill_(~allowed, -math.inf)
-        return bias.expand(n, heads, mq, mk)
-
-    @staticmethod
-    def _empty_rows(b: PaddedBatch, *, causal: bool) -> torch.Tensor:
-        """``(n, 1, Mq)`` True where a query row sees no key (padding slots included)."""
-        return ~b.mask(causal=causal).any(dim=-1)
-
-    # ------------------------------------------------------------------------------- forward
     def forward(
         self,
         q: torch.Tensor,
@@ -108,29 +107,16 @@ class SdpaKernel:
             qb = b.gather_q(q)
             kb = b.gather_k(k).repeat_interleave(g, dim=1)
             vb = b.gather_k(v).repeat_interleave(g, dim=1)
-            bias = self._bias(b, causal=spec.causal, dtype=q.dtype, heads=h)
-            o, lse_b = self._fwd_op(qb, kb, vb, bias, softmax_scale)
-            empty = self._empty_rows(b, causal=spec.causal)
-            o = o.masked_fill(empty[..., None], 0.0)
-            lse_b = lse_b[..., : qb.shape[2]].masked_fill(empty, -math.inf)
+            m = _Masking(b, causal=spec.causal, dtype=q.dtype, heads=h)
+            o, lse_b = _fwd_op(qb, kb, vb, m, softmax_scale)
+            lse_b = lse_b[..., : b.max_q]
+            if m.empty is not None:
+                o = o.masked_fill(m.empty[..., None], 0.0)
+                lse_b = lse_b.masked_fill(m.empty, -math.inf)
             b.scatter_q(out, o)
             b.scatter_lse(lse, lse_b)
         return out, lse
 
-    @staticmethod
-    def _fwd_op(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=bias, scale=scale
-            )
-        o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, False, scale=scale
-        )
-        return o, lse
-
-    # ------------------------------------------------------------------------------ backward
     def backward(
         self,
         dout: torch.Tensor,
@@ -150,47 +136,60 @@ class SdpaKernel:
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for b in self._batches(spec, q.device):
-            empty = self._empty_rows(b, causal=spec.causal)
+            m = _Masking(b, causal=spec.causal, dtype=q.dtype, heads=h)
             qb = b.gather_q(q)
             kb = b.gather_k(k).repeat_interleave(g, dim=1)
             vb = b.gather_k(v).repeat_interleave(g, dim=1)
-            # Rows without keys (and padding slots) get zero dout and lse +inf: probability 0.
-            dob = b.gather_q(dout.to(q.dtype)).masked_fill(empty[..., None], 0.0)
+            dob = b.gather_q(dout.to(q.dtype))
             ob = b.gather_q(out.to(q.dtype))
-            lse_b = b.gather_lse(lse, fill=math.inf).masked_fill(empty, math.inf)
-            bias = self._bias(b, causal=spec.causal, dtype=q.dtype, heads=h)
-            dqb, dkb, dvb = self._bwd_op(dob, qb, kb, vb, ob, lse_b, bias, softmax_scale)
+            lse_b = b.gather_lse(lse, fill=math.inf)
+            if m.empty is not None:
+                # Keyless rows and padding slots: zero dout and lse +inf give probability 0.
+                dob = dob.masked_fill(m.empty[..., None], 0.0)
+                lse_b = lse_b.masked_fill(m.empty, math.inf)
+            dqb, dkb, dvb = _bwd_op(dob, qb, kb, vb, ob, lse_b, m, softmax_scale)
             n, _, mk, _ = dkb.shape
             b.scatter_q(dq, dqb)
             b.scatter_k(dk, dkb.reshape(n, hkv, g, mk, -1).sum(dim=2))
             b.scatter_k(dv, dvb.reshape(n, hkv, g, mk, -1).sum(dim=2))
         return dq, dk, dv
 
-    @staticmethod
-    def _bwd_op(
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        bias: torch.Tensor,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if q.device.type == "cpu":
-            lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse.contiguous(), 0.0, False, attn_mask=bias, scale=scale
-            )
-        n, h, mq = lse.shape
-        lse_padded = torch.full(
-            (n, h, _align(mq, 32)), math.inf, dtype=torch.float32, device=q.device
+
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: _Masking, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, m.causal, attn_mask=m.bias, scale=scale
         )
-        lse_padded[..., :mq] = lse
-        seed = torch.empty((), dtype=torch.int64)
-        offset = torch.empty((), dtype=torch.int64)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, bias, out, lse_padded, seed, offset, 0.0,
-            [True, True, True, False], False, scale=scale,
-        )  # fmt: skip
-        return dq, dk, dv
+    o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, m.bias, True, 0.0, m.causal, scale=scale
+    )
+    return o, lse
+
+
+def _bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    m: _Masking,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        lse = lse.to(acc_dtype(q.dtype)).contiguous()
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, m.causal, attn_mask=m.bias, scale=scale
+        )
+    n, h, mq = lse.shape
+    lse_padded = torch.full((n, h, _align(mq, 32)), math.inf, dtype=torch.float32, device=q.device)
+    lse_padded[..., :mq] = lse
+    seed = torch.empty((), dtype=torch.int64)  # dropout is 0: the operator never reads them
+    offset = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, m.bias, out, lse_padded, seed, offset, 0.0,
+        [True, True, True, False], m.causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dyncp.plan import padded_length
 from dyncp.ring_attention.block import BlockSpec
-from dyncp.ring_attention.layout import RingLayout
 
 __all__ = ["RingStep", "zigzag_steps"]
 
@@ -73,18 +73,26 @@ def _prefix(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def zigzag_steps(layout: RingLayout, *, causal: bool, device: torch.device) -> list[RingStep]:
-    """The ring step for every source rank (indexed by source), for this rank of ``layout``."""
-    c, r = layout.cp, layout.rank
+def zigzag_steps(
+    *, seqlens: Sequence[int], cp: int, rank: int, causal: bool, device: torch.device
+) -> list[RingStep]:
+    """The ring step for every source rank (indexed by source), for rank ``rank`` of the ring.
+
+    Only lengths, cp and the rank index matter (as for sharding), so the schedule can be built
+    and checked without a process group.
+    """
+    c, r = cp, rank
+    padded = [padded_length(length, c) for length in seqlens]
+    local_offsets = _prefix([p // c for p in padded])
+    local_tokens = sum(padded) // c
     steps = []
     for s in range(c):
         q_starts, q_counts, k_starts, k_counts = [], [], [], []
-        for b, length in enumerate(layout.seqlens):
-            off = layout.cu_seqlens_local[b]
+        for length, pad, off in zip(seqlens, padded, local_offsets):
             if c == 1:
                 q0, nq, k0, nk = off, length, off, length
             else:
-                m = (layout.cu_seqlens_padded[b + 1] - layout.cu_seqlens_padded[b]) // (2 * c)
+                m = pad // (2 * c)
                 q0, nq = off, _real(r, length, m) + _real(2 * c - 1 - r, length, m)
                 k0, nk = off, _real(s, length, m) + _real(2 * c - 1 - s, length, m)
                 if causal and s < r:
@@ -104,8 +112,8 @@ def zigzag_steps(layout: RingLayout, *, causal: bool, device: torch.device) -> l
         steps.append(
             RingStep(
                 source=s,
-                q_rows=_rows(q_starts, q_counts, total=layout.local_tokens, device=device),
-                k_rows=_rows(k_starts, k_counts, total=layout.local_tokens, device=device),
+                q_rows=_rows(q_starts, q_counts, total=local_tokens, device=device),
+                k_rows=_rows(k_starts, k_counts, total=local_tokens, device=device),
                 spec=spec.on(device) if device.type != "cpu" else spec,
             )
         )
