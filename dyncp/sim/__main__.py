@@ -3,6 +3,8 @@
     python -m dyncp.sim                                   # bundled Wikipedia sample, defaults
     python -m dyncp.sim --dataset wlbllm --world 64 --ranks-per-node 8 --json out.json
     python -m dyncp.sim --dataset lengths.parquet --column n_tokens --max-length 65536
+    python -m dyncp.sim --metrics-port 9464 --hold      # Prometheus metrics while replaying
+    python -m dyncp.sim --plot plots/                    # Gantt charts and step-time plots
 
 Prints, per policy: mean predicted step seconds, speedup vs static, mean imbalance, gap to the
 lower bound, plan latency p50/p99 and the CP-size mix. Same arguments and seed, same numbers
@@ -13,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.profile import ProfileError, bundled_profiles
 from dyncp.datasets import (
@@ -29,8 +35,16 @@ from dyncp.datasets import (
     load_lengths,
     resolve_dataset,
 )
+from dyncp.metrics import Exporter, Metrics
+from dyncp.plan import StepPlan
 from dyncp.planner.planner import POLICIES, Planner
-from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batches, replay
+from dyncp.sim.replay import (
+    OVERLONG_ACTIONS,
+    admit,
+    draw_batches,
+    replay,
+    synthetic_measurement,
+)
 from dyncp.sim.report import format_table, summarise
 
 
@@ -41,6 +55,26 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
     return value
 
 
@@ -97,7 +131,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
+    obs = p.add_argument_group("metrics and plots")
+    obs.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port while replaying (0: a free port, printed)",
+    )
+    obs.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address to serve on (default 127.0.0.1)",
+    )
+    obs.add_argument(
+        "--hold",
+        type=_seconds,
+        nargs="?",
+        const=math.inf,
+        default=None,
+        metavar="SECONDS",
+        help="keep serving metrics after the replay: SECONDS, or until interrupted if omitted",
+    )
+    obs.add_argument(
+        "--step-delay",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="pause after each step so that a dashboard sees the replay unfold (default 0)",
+    )
+    obs.add_argument(
+        "--measurement-noise",
+        type=_seconds,
+        default=0.0,
+        metavar="SIGMA",
+        help="also feed synthetic 'measured' steps: each micro-batch's predicted time times "
+        "exp(N(0, SIGMA)), to try the measured-vs-predicted panels without a GPU (default 0: "
+        "no measured series)",
+    )
+    obs.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write PNGs: gantt-<policy>.png, gantt.png, step-seconds.png (needs matplotlib)",
+    )
+    obs.add_argument(
+        "--plot-step",
+        type=int,
+        default=0,
+        metavar="K",
+        help="step the Gantt charts show (default 0)",
+    )
     return p
+
+
+def _hold(exporter: Exporter, seconds: float) -> None:
+    forever = math.isinf(seconds)
+    how = "until interrupted (Ctrl-C)" if forever else f"for {seconds:g} s"
+    print(f"replay done; serving {exporter.url} {how}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + seconds
+    try:
+        while forever or time.monotonic() < deadline:
+            time.sleep(1.0 if forever else min(1.0, max(0.0, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in policies if s not in POLICIES]
     if unknown or not policies:
         parser.error(f"--policies {args.policies!r}: choose from {','.join(POLICIES)}")
+    if args.metrics_port is None:
+        for flag, value in (
+            ("--hold", args.hold),
+            ("--step-delay", args.step_delay),
+            ("--measurement-noise", args.measurement_noise),
+        ):
+            if value:
+                parser.error(f"{flag} needs --metrics-port")
+    if not 0 <= args.plot_step < args.steps:
+        parser.error(f"--plot-step {args.plot_step}: choose a step in 0..{args.steps - 1}")
+    if args.plot is not None:
+        from dyncp.sim.plots import PlotsUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotsUnavailable as exc:
+            parser.error(f"--plot: {exc}")
     try:
         path = resolve_dataset(args.dataset)
         raw = load_lengths(path, args.column)
@@ -146,6 +262,35 @@ def main(argv: list[str] | None = None) -> int:
             global_batch_size=args.global_batch_size,
         )
     )
+    metrics: Metrics | None = None
+    exporter: Exporter | None = None
+    if args.metrics_port is not None:
+        metrics = Metrics(policies=policies, cp_sizes=planners[policies[0]].topology.group_sizes)
+        try:
+            exporter = metrics.serve(port=args.metrics_port, addr=args.metrics_addr)
+        except OSError as exc:
+            parser.error(f"--metrics-port {args.metrics_port} on {args.metrics_addr}: {exc}")
+        print(f"serving metrics on {exporter.url}", file=sys.stderr, flush=True)
+    noise_rng = np.random.default_rng(args.seed)
+    shown: dict[str, StepPlan] = {}
+
+    def on_plan(step: int, name: str, plan: StepPlan) -> None:
+        if metrics is not None:
+            cost = evaluate_plan(plan, model) if args.measurement_noise > 0 else None
+            metrics.observe_step(plan, cost=cost)
+            if cost is not None:
+                measured = synthetic_measurement(
+                    plan, cost, model, noise_rng, args.measurement_noise
+                )
+                metrics.observe_measured_step(
+                    policy=name,
+                    step_seconds=measured.step_seconds,
+                    rank_busy_seconds=measured.rank_busy_seconds,
+                    predicted_step_seconds=cost.step_seconds,
+                )
+        if args.plot is not None and step == args.plot_step:
+            shown[name] = plan
+
     bar = tqdm(
         total=len(batches),
         desc="steps",
@@ -153,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
     )
-    runs, bounds = replay(batches, planners, progress=lambda: bar.update(1))
+
+    def progress() -> None:
+        bar.update(1)
+        if args.step_delay:
+            time.sleep(args.step_delay)
+
+    runs, bounds = replay(batches, planners, progress=progress, on_plan=on_plan)
     bar.close()
     summary = summarise(runs, bounds)
     report = {
@@ -183,7 +334,28 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
+        print(f"report written to {args.json}", file=sys.stderr, flush=True)
+    if args.plot is not None:
+        from dyncp.sim.plots import write_plots
+
+        caption = (
+            f"{Path(str(path)).name}, world {args.world} ({args.ranks_per_node}/node), "
+            f"capacity {args.capacity}, profile {model.name}"
+        )
+        written = write_plots(
+            args.plot,
+            plans=shown,
+            model=model,
+            runs=runs,
+            bounds=bounds,
+            step=args.plot_step,
+            caption=caption,
+        )
+        print(f"plots written: {', '.join(str(w) for w in written)}", file=sys.stderr)
+    if exporter is not None:
+        if args.hold:
+            _hold(exporter, args.hold)
+        exporter.close()
     return 0
 
 

@@ -11,9 +11,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dyncp.cost_model.evaluate import PlanCost
+from dyncp.cost_model.model import CostModel
+from dyncp.plan import StepPlan
 from dyncp.planner.planner import Planner
 
-__all__ = ["OVERLONG_ACTIONS", "Admission", "admit", "draw_batches", "PolicyRun", "replay"]
+__all__ = [
+    "OVERLONG_ACTIONS",
+    "Admission",
+    "admit",
+    "draw_batches",
+    "PolicyRun",
+    "replay",
+    "SyntheticMeasurement",
+    "synthetic_measurement",
+]
 
 OVERLONG_ACTIONS = ("skip", "truncate", "split")
 
@@ -120,13 +132,21 @@ def replay(
     batches: list[np.ndarray],
     planners: dict[str, Planner],
     progress: Callable[[], None] | None = None,
+    *,
+    on_plan: Callable[[int, str, StepPlan], None] | None = None,
 ) -> tuple[dict[str, PolicyRun], list[float]]:
-    """Plan every batch with every planner; returns per-policy runs and per-step lower bounds."""
+    """Plan every batch with every planner; returns per-policy runs and per-step lower bounds.
+
+    ``on_plan(step, policy, plan)`` sees every plan as it is made (metrics, plots); ``progress()``
+    is called after each step.
+    """
     runs = {name: PolicyRun() for name in planners}
     bounds: list[float] = []
-    for batch in batches:
+    for step, batch in enumerate(batches):
         for name, planner in planners.items():
             plan = planner.plan(batch)
+            if on_plan is not None:
+                on_plan(step, name, plan)
             st = plan.stats
             run = runs[name]
             run.step_seconds.append(st["predicted_step_seconds"])
@@ -142,3 +162,37 @@ def replay(
         if progress is not None:
             progress()
     return runs, bounds
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticMeasurement:
+    """A made-up "measured" step (for trying dashboards without a GPU): seconds and rank busy."""
+
+    step_seconds: float
+    rank_busy_seconds: np.ndarray
+
+
+def synthetic_measurement(
+    plan: StepPlan, cost: PlanCost, model: CostModel, rng: np.random.Generator, sigma: float
+) -> SyntheticMeasurement:
+    """Perturb each micro-batch's predicted seconds by a log-normal factor exp(N(0, sigma)).
+
+    Waves are re-timed as the runtime would see them: the slowest group's summed (perturbed)
+    micro-batches plus the wave overhead; a rank's busy time sums its micro-batches.
+    """
+    if not sigma >= 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    busy = np.zeros(plan.topology.world)
+    total = 0.0
+    for wave, seconds in zip(plan.waves, cost.microbatch_seconds):
+        factors = np.exp(rng.normal(0.0, sigma, len(seconds))) if sigma else np.ones(len(seconds))
+        measured = np.asarray(seconds) * factors
+        slowest, j = 0.0, 0
+        for group in wave.groups:
+            n = len(group.microbatches)
+            t = float(measured[j : j + n].sum())
+            j += n
+            busy[group.start : group.start + group.size] += t
+            slowest = max(slowest, t)
+        total += slowest + model.wave_overhead
+    return SyntheticMeasurement(total, busy)
