@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import Profile, load_profile
+from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.planner.bound import lower_bound, min_cp_sizes
 from dyncp.planner.planner import POLICIES, Planner

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import (
+from dyncp.cost_model.schema import (
     PROFILES_DIR,
     Profile,
     ProfileError,

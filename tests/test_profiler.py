@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import load_profile
-from dyncp.cost_model.profiler import (
+from dyncp.cost_model.profile import (
     MODELS,
     build_profile,
     fit_attention,
     fit_linear,
     fit_link,
 )
-from dyncp.cost_model.profiler import (
+from dyncp.cost_model.profile import (
     main as profile_main,
 )
+from dyncp.cost_model.schema import load_profile
 from dyncp.cost_model.validate import main as validate_main
 from dyncp.cost_model.validate import random_pack
 

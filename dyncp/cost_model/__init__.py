@@ -2,7 +2,7 @@
 
 from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import Profile, ProfileError, bundled_profiles, load_profile
+from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
 
 __all__ = [
     "CostModel",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.cost_model.profile import AttentionTable, Profile, load_profile
+from dyncp.cost_model.schema import AttentionTable, Profile, load_profile
 
 __all__ = ["CostModel"]
 

@@ -1,204 +1,379 @@
-"""Profile schema: the measured (or stated) numbers a CostModel is built from.
+"""Profile this hardware into a cost-model profile: ``python -m dyncp.cost_model.profile``.
 
-A profile is JSON validated by pydantic. Unknown fields are refused and every error names the
-field's path, so a typo in a hand-edited profile fails loudly instead of silently using a default.
-All times are seconds, sizes are bytes, and attention/communication figures are *per layer*
-(multiplied by ``model.num_layers``).
+    python -m dyncp.cost_model.profile --out profiles/mine.json                 # one process
+    torchrun --nproc-per-node 4 -m dyncp.cost_model.profile --out profiles/cpu-gloo.json
 
-Two attention forms share one schema:
+What it measures, per transformer layer of the model shape (``--model``):
 
-- ``table``: measured forward+backward seconds of one causal sequence at CP size 1, by length,
-  interpolated in log-log space (the form the profiler and the H100 reference produce);
-- ``quadratic``: ``alpha * s**2 + beta * s`` seconds, coefficients given directly, so published
-  analytic cost models plug in without measurements.
+- attention forward and forward+backward of one causal sequence at CP 1 through the ring-attention
+  block kernel, over a grid of lengths (median of repeats) -> the attention table; a fit
+  ``a s^2 + b s + k`` gives the fixed cost ``k`` of one kernel call (the ring-step overhead) and
+  the backward/forward ratio;
+- the whole model's forward+backward on packs of short sequences of growing total length, minus
+  the attention the table predicts for them -> linear seconds per token and the per-micro-batch
+  constant (least squares);
+- under torchrun with several ranks: one ring step (batched send/recv of a K/V block to the next
+  rank) for each group size and a range of message sizes -> latency and bandwidth per step; all
+  ranks measure at the same time, so a shared machine's contention is part of the numbers;
+- the synchronisation at a wave boundary (the executor's status exchange) -> the wave constant.
 
-At CP size c a rank runs c ring steps over p/c local tokens, so attention costs it
-``alpha * s^2 / c + beta * s`` (``beta`` is a per-step, per-query-token cost), while
-``linear_seconds_per_token`` is divided by c. A published model of the form
-``(alpha s^2 + beta s) / c + bytes / bandwidth(c) + const`` therefore maps to: attention
-``alpha`` with ``beta = 0``, ``linear_seconds_per_token = beta``, ``communication.overlap = false``
-(bytes per token in ``kv_bytes_per_token``, links by node) and ``overheads.microbatch_seconds =
-const``.
+Every fit's relative error is written into the provenance. The run stops measuring new points
+when ``--max-seconds`` is spent (the grid is walked short to long), and prints progress on rank 0.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import datetime as dt
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import numpy as np
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
 
-__all__ = [
-    "Profile",
-    "ProfileError",
-    "load_profile",
-    "bundled_profiles",
-    "PROFILES_DIR",
-]
+from dyncp.cost_model.schema import Profile
+from dyncp.ring_attention import make_ring_layout, ring_attention
+from dyncp.ring_attention.comm import ring_exchange
+from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
 
-# Profiles live in the repository's top-level profiles/ folder (installs are editable: README).
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+__all__ = ["MODELS", "measure", "fit_linear", "fit_attention", "fit_link", "main"]
 
-
-class ProfileError(ValueError):
-    """A profile file is missing, unreadable or breaks the schema (the message names the field)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+# Model shapes the profiler can build; "tiny" is the runtime tests' and the example's model.
+MODELS = {
+    "tiny": TinyConfig(vocab=256, dim=64, heads=4, kv_heads=2, layers=2, ffn=128),
+}
 
 
-class Assumption(_Strict):
-    """A number the profile uses that was not measured, with where it comes from."""
-
-    name: str
-    value: float | str
-    source: str
-
-
-class Provenance(_Strict):
-    """Where the numbers come from: required, so a profile cannot pretend to be measured."""
-
-    source: str = Field(description="what was measured or derived, and by whom")
-    device: str
-    date: str
-    method: str = Field(description="command or procedure that produced the file")
-    assumptions: list[Assumption] = []
-    notes: list[str] = []
+def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-class ModelShape(_Strict):
-    """The transformer the profile describes (informational except ``num_layers``)."""
-
-    name: str
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    ffn_hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    dtype_bytes: int = Field(gt=0)
+def fit_attention(lengths: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float, float]:
+    """Non-negative fit ``seconds = a s^2 + b s + k`` on relative error; (a, b, k, max rel err)."""
+    s = lengths.astype(float)
+    basis = np.stack([s * s, s, np.ones_like(s)], 1)
+    coef, _ = nnls(basis / seconds[:, None], np.ones(len(s)))
+    err = float(np.max(np.abs(basis @ coef - seconds) / seconds))
+    return float(coef[0]), float(coef[1]), float(coef[2]), err
 
 
-class AttentionTable(_Strict):
-    """Measured causal attention forward+backward seconds per layer for one sequence, cp = 1."""
+def fit_linear(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
+    """Non-negative fit ``seconds = per_token * tokens + constant``; (per_token, constant, err)."""
+    basis = np.stack([tokens.astype(float), np.ones(len(tokens))], 1)
+    coef, _ = nnls(basis / seconds[:, None], np.ones(len(tokens)))
+    err = float(np.max(np.abs(basis @ coef - seconds) / seconds))
+    return float(coef[0]), float(coef[1]), err
 
-    form: Literal["table"]
-    lengths: list[int] = Field(min_length=2)
-    seconds: list[float] = Field(min_length=2)
-    step_overhead_seconds: float = Field(
-        ge=0, description="fixed kernel cost of one ring step (one varlen call), fwd+bwd"
-    )
-    backward_forward_ratio: float = Field(gt=0)
 
-    @model_validator(mode="after")
-    def _check(self) -> AttentionTable:
-        if len(self.lengths) != len(self.seconds):
-            raise ValueError(
-                f"attention.lengths has {len(self.lengths)} entries but attention.seconds has "
-                f"{len(self.seconds)}"
+def fit_link(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
+    """``seconds = latency + bytes / bandwidth``; (latency, bandwidth, max relative error)."""
+    per_byte, latency, err = fit_linear(nbytes, seconds)
+    return latency, 1.0 / max(per_byte, 1e-18), err
+
+
+def measure(
+    cfg: TinyConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seconds: float,
+    repeats: int,
+    lengths: list[int],
+    log: Callable[[str], None],
+) -> dict:
+    """Run every measurement on this rank (all ranks call it together under torchrun)."""
+    deadline = time.monotonic() + max_seconds
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+
+    def together() -> None:
+        if distributed:
+            dist.barrier()
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out: dict = {"attn_len": [], "attn_fwd": [], "attn_fwdbwd": []}
+    for s in lengths:
+        if time.monotonic() > deadline and len(out["attn_len"]) >= 3:
+            log(f"  time budget spent; attention table stops at {out['attn_len'][-1]} tokens")
+            break
+        q = torch.randn(s, cfg.heads, cfg.head_dim, generator=gen, dtype=dtype).to(device)
+        k = torch.randn(s, cfg.kv_heads, cfg.head_dim, generator=gen, dtype=dtype).to(device)
+        v = torch.randn_like(k)
+        layout = make_ring_layout(seqlens=[s], cp=1)
+        q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+
+        def fwd(q=q, k=k, v=v, layout=layout) -> None:
+            with torch.no_grad():
+                ring_attention(q, k, v, layout, causal=True, kernel="auto")
+
+        def fwdbwd(q=q, k=k, v=v, layout=layout) -> None:
+            ring_attention(q, k, v, layout, causal=True, kernel="auto").sum().backward()
+
+        together()
+        out["attn_len"].append(s)
+        out["attn_fwd"].append(_median_seconds(fwd, repeats, sync))
+        out["attn_fwdbwd"].append(_median_seconds(fwdbwd, repeats, sync))
+        log(f"  attention {s:>6} tokens: fwd+bwd {out['attn_fwdbwd'][-1] * 1e3:8.3f} ms")
+
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg).to(device=device, dtype=dtype)
+    out.update(pack_tokens=[], pack_seconds=[], pack_seqlen=64)
+    for n_seqs in (1, 2, 4, 8, 16, 32):
+        seqlens = [64] * n_seqs
+        tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
+        labels = next_token_labels(tokens, seqlens)
+        positions = torch.arange(64, device=device).repeat(n_seqs)
+        layout = make_ring_layout(seqlens=seqlens, cp=1)
+
+        def step(tokens=tokens, labels=labels, positions=positions, layout=layout) -> None:
+            model.loss_sum(tokens, labels, positions, layout, kernel="auto").backward()
+
+        together()
+        out["pack_tokens"].append(sum(seqlens))
+        out["pack_seconds"].append(_median_seconds(step, repeats, sync))
+        log(f"  model fwd+bwd {sum(seqlens):>6} tokens: {out['pack_seconds'][-1] * 1e3:8.3f} ms")
+
+    if distributed:
+        world = dist.get_world_size()
+        me = dist.get_rank()
+        out["links"] = {}
+        sizes = [c for c in (2, 4, 8, 16, 32, 64) if c <= world and world % c == 0]
+        groups = {
+            c: [dist.new_group(list(range(b, b + c))) for b in range(0, world, c)] for c in sizes
+        }
+        for c in sizes:
+            group = groups[c][me // c]
+            layout = make_ring_layout(seqlens=[2 * c], cp=c, group=group, rank=me)
+            points = []
+            for tokens in (64, 256, 1024, 4096, 16384):
+                block = torch.zeros(tokens, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device)
+
+                def step(block=block, layout=layout) -> None:
+                    ring_exchange([block, block], layout=layout, tags=(1, 2)).wait()
+
+                together()
+                points.append(
+                    (2 * block.numel() * block.element_size(), _median_seconds(step, repeats, sync))
+                )
+            out["links"][c] = points
+            log(
+                f"  ring step, group of {c}: {points[-1][1] * 1e3:.3f} ms for {points[-1][0]} bytes"
             )
-        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
-            raise ValueError("attention.lengths must be positive and strictly increasing")
-        if any(t <= self.step_overhead_seconds for t in self.seconds):
-            raise ValueError(
-                "attention.seconds must all exceed attention.step_overhead_seconds "
-                f"({self.step_overhead_seconds}); the overhead is part of each measurement"
+        statuses: list = [None] * world
+
+        def wave_sync() -> None:
+            dist.all_gather_object(statuses, None)
+
+        together()
+        out["wave_seconds"] = _median_seconds(wave_sync, repeats, sync)
+    return out
+
+
+def _gather_max(value: float) -> float:
+    """The slowest rank's value (ranks measured together; a step waits for the slowest)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def build_profile(
+    name: str, cfg: TinyConfig, raw: dict, *, dtype: torch.dtype, device: torch.device, command: str
+) -> Profile:
+    """Fit the measurements into a validated Profile."""
+    lengths = np.asarray(raw["attn_len"])
+    fwdbwd = np.asarray(raw["attn_fwdbwd"])
+    fwd = np.asarray(raw["attn_fwd"])
+    a, b, k, attn_err = fit_attention(lengths, fwdbwd)
+    k = min(k, 0.99 * float(fwdbwd.min()))  # the schema wants every entry above k
+    ratio = float(np.median((fwdbwd - fwd) / fwd))
+    # Linear work: model time minus the attention the table predicts for those packs.
+    seqlen = raw["pack_seqlen"]
+    att_one = float(np.interp(seqlen, lengths, fwdbwd)) - k
+    tokens = np.asarray(raw["pack_tokens"], dtype=float)
+    packs = np.asarray(raw["pack_seconds"])
+    attention = cfg.layers * (tokens / seqlen * att_one + k)
+    per_token, constant, lin_err = fit_linear(tokens, np.maximum(packs - attention, 1e-9))
+    links = raw.get("links", {})
+    notes = [
+        f"attention fwd+bwd fit a*s^2+b*s+k: a={a:.3e} b={b:.3e} k={k:.3e} s, max relative "
+        f"error {attn_err:.1%}; the measured table is used",
+        f"linear fit (model fwd+bwd minus table attention): {per_token:.3e} s/token + "
+        f"{constant:.3e} s, max relative error {lin_err:.1%}",
+    ]
+    assumptions = []
+    if links:
+        largest = max(links)
+        nbytes = np.asarray([p[0] for p in links[largest]], dtype=float)
+        secs = np.asarray([p[1] for p in links[largest]])
+        latency, bandwidth, link_err = fit_link(nbytes, secs)
+        notes.append(
+            f"ring step fit (group of {largest}): latency {latency:.3e} s, bandwidth "
+            f"{bandwidth / 1e9:.3f} GB/s, max relative error {link_err:.1%}; all group sizes: "
+            + "; ".join(
+                f"{c}: {links[c][-1][1] * 1e3:.3f} ms/{links[c][-1][0]} B" for c in sorted(links)
             )
-        return self
-
-
-class AttentionQuadratic(_Strict):
-    """Attention seconds per layer for one sequence of s tokens at cp = 1: alpha*s^2 + beta*s."""
-
-    form: Literal["quadratic"]
-    alpha: float = Field(ge=0)
-    beta: float = Field(ge=0)
-    step_overhead_seconds: float = Field(ge=0, default=0.0)
-    backward_forward_ratio: float = Field(gt=0, default=2.5)
-
-
-class Link(_Strict):
-    """One ring step's transfer: ``latency + bytes / bandwidth``."""
-
-    latency_seconds: float = Field(ge=0)
-    bandwidth_bytes_per_second: float = Field(gt=0)
-
-
-class Communication(_Strict):
-    """Ring attention traffic: each step moves the KV block; the backward also moves dK/dV."""
-
-    kv_bytes_per_token: float = Field(
-        ge=0, description="bytes of K and V per token per layer (2 * kv_heads * head_dim * dtype)"
+        )
+        inter = {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
+        assumptions.append(
+            {
+                "name": "inter-node link",
+                "value": "same as intra-node",
+                "source": "one machine: no node boundary to measure",
+            }
+        )
+        wave = raw.get("wave_seconds", 0.0)
+    else:
+        latency, bandwidth = 1e-5, 1e10
+        inter = {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
+        assumptions.append(
+            {
+                "name": "ring links",
+                "value": "10 us + bytes / 10 GB/s",
+                "source": "assumed: single process, no peers to measure",
+            }
+        )
+        wave = 0.0
+    device_name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine())
     )
-    backward_bytes_factor: float = Field(ge=0, default=2.0)
-    overlap: bool = Field(
-        default=True, description="transfer of the next block overlaps the current compute"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    data = {
+        "schema_version": 1,
+        "name": name,
+        "description": f"{cfg} measured with {world} process(es) on {device_name} ({device.type})",
+        "provenance": {
+            "source": "measured by dyncp.cost_model.profile",
+            "device": f"{device_name}, {os.cpu_count()} CPUs, {world} processes",
+            "date": dt.date.today().isoformat(),
+            "method": command,
+            "assumptions": assumptions,
+            "notes": notes + [f"torch {torch.__version__}, python {platform.python_version()}"],
+        },
+        "model": {
+            "name": "tiny",
+            "num_layers": cfg.layers,
+            "hidden_size": cfg.dim,
+            "num_heads": cfg.heads,
+            "num_kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "ffn_hidden_size": cfg.ffn,
+            "vocab_size": cfg.vocab,
+            "dtype_bytes": torch.empty((), dtype=dtype).element_size(),
+        },
+        "linear_seconds_per_token": per_token,
+        "attention": {
+            "form": "table",
+            "lengths": lengths.tolist(),
+            "seconds": fwdbwd.tolist(),
+            "step_overhead_seconds": k,
+            "backward_forward_ratio": max(ratio, 1e-3),
+        },
+        "communication": {
+            "kv_bytes_per_token": float(
+                2 * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+            ),
+            "backward_bytes_factor": 2.0,
+            "overlap": True,
+            "intra_node": {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth},
+            "inter_node": inter,
+        },
+        "overheads": {"microbatch_seconds": constant, "wave_seconds": wave},
+    }
+    return Profile.model_validate(data)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m dyncp.cost_model.profile", description=__doc__.splitlines()[0]
     )
-    intra_node: Link
-    inter_node: Link
-
-
-class Overheads(_Strict):
-    microbatch_seconds: float = Field(ge=0, description="fixed cost of one forward+backward")
-    wave_seconds: float = Field(ge=0, description="synchronisation when group membership changes")
-
-
-class Profile(_Strict):
-    """A complete cost-model profile."""
-
-    schema_version: Literal[1]
-    name: str
-    description: str
-    provenance: Provenance
-    model: ModelShape
-    linear_seconds_per_token: float = Field(
-        ge=0, description="all non-attention work (GEMMs, norms, MLP, head), fwd+bwd, whole model"
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    attention: Annotated[AttentionTable | AttentionQuadratic, Field(discriminator="form")]
-    communication: Communication
-    overheads: Overheads
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    p.add_argument("--max-length", type=int, default=4096, help="longest attention length")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--max-seconds", type=float, default=120.0, help="measurement time budget")
+    args = p.parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.set_num_threads(1 if distributed and args.device == "cpu" else torch.get_num_threads())
+    device = (
+        torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
+    dtype = getattr(torch, args.dtype)
+    lengths = [
+        s
+        for s in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+        if s <= args.max_length
+    ]
 
-    @classmethod
-    def from_json(cls, text: str, origin: str = "<string>") -> Profile:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"profile {origin} is not valid JSON: {exc}") from None
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise ProfileError(f"profile {origin} is invalid: {problems}") from None
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, file=sys.stderr, flush=True)
 
-    def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+    log(f"profiling {args.model} on {args.device} ({args.dtype}), budget {args.max_seconds:.0f} s")
+    raw = measure(
+        MODELS[args.model],
+        device=device,
+        dtype=dtype,
+        max_seconds=args.max_seconds,
+        repeats=args.repeats,
+        lengths=lengths,
+        log=log,
+    )
+    for key in ("attn_fwd", "attn_fwdbwd", "pack_seconds"):
+        raw[key] = [_gather_max(x) for x in raw[key]]
+    if "links" in raw:
+        raw["links"] = {c: [(b, _gather_max(s)) for b, s in pts] for c, pts in raw["links"].items()}
+        raw["wave_seconds"] = _gather_max(raw["wave_seconds"])
+    command = " ".join(
+        ["python -m dyncp.cost_model.profile", *(argv if argv is not None else sys.argv[1:])]
+    )
+    if distributed:
+        command = (
+            f"torchrun --nproc-per-node {dist.get_world_size()} -m dyncp.cost_model.profile "
+            + command.split(" ", 3)[-1]
+        )
+    if rank == 0:
+        profile = build_profile(
+            args.name or args.out.stem,
+            MODELS[args.model],
+            raw,
+            dtype=dtype,
+            device=device,
+            command=command,
+        )
+        args.out.write_text(profile.to_json())
+        log(f"wrote {args.out}")
+    if distributed:
+        dist.destroy_process_group()
 
 
-def bundled_profiles() -> dict[str, Path]:
-    """Profiles shipped with dyncp, by name."""
-    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.json"))}
-
-
-def load_profile(name_or_path: str | Path) -> Profile:
-    """Load a bundled profile by name (e.g. ``h100-reference``) or a profile JSON by path."""
-    path = Path(name_or_path)
-    bundled = bundled_profiles()
-    if not path.exists():
-        if str(name_or_path) in bundled:
-            path = bundled[str(name_or_path)]
-        else:
-            raise ProfileError(
-                f"profile {str(name_or_path)!r} is neither a file nor a bundled profile "
-                f"(bundled: {', '.join(bundled) or 'none'})"
-            )
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc}") from None
-    return Profile.from_json(text, origin=str(path))
+if __name__ == "__main__":
+    main()

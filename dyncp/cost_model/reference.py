@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from dyncp.cost_model.profile import Profile
+from dyncp.cost_model.schema import Profile
 
 __all__ = ["build_reference_profile"]
 

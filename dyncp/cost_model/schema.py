@@ -1,0 +1,204 @@
+"""Profile schema: the measured (or stated) numbers a CostModel is built from.
+
+A profile is JSON validated by pydantic. Unknown fields are refused and every error names the
+field's path, so a typo in a hand-edited profile fails loudly instead of silently using a default.
+All times are seconds, sizes are bytes, and attention/communication figures are *per layer*
+(multiplied by ``model.num_layers``).
+
+Two attention forms share one schema:
+
+- ``table``: measured forward+backward seconds of one causal sequence at CP size 1, by length,
+  interpolated in log-log space (the form the profiler and the H100 reference produce);
+- ``quadratic``: ``alpha * s**2 + beta * s`` seconds, coefficients given directly, so published
+  analytic cost models plug in without measurements.
+
+At CP size c a rank runs c ring steps over p/c local tokens, so attention costs it
+``alpha * s^2 / c + beta * s`` (``beta`` is a per-step, per-query-token cost), while
+``linear_seconds_per_token`` is divided by c. A published model of the form
+``(alpha s^2 + beta s) / c + bytes / bandwidth(c) + const`` therefore maps to: attention
+``alpha`` with ``beta = 0``, ``linear_seconds_per_token = beta``, ``communication.overlap = false``
+(bytes per token in ``kv_bytes_per_token``, links by node) and ``overheads.microbatch_seconds =
+const``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "Profile",
+    "ProfileError",
+    "load_profile",
+    "bundled_profiles",
+    "PROFILES_DIR",
+]
+
+# Profiles live in the repository's top-level profiles/ folder (installs are editable: README).
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable or breaks the schema (the message names the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Assumption(_Strict):
+    """A number the profile uses that was not measured, with where it comes from."""
+
+    name: str
+    value: float | str
+    source: str
+
+
+class Provenance(_Strict):
+    """Where the numbers come from: required, so a profile cannot pretend to be measured."""
+
+    source: str = Field(description="what was measured or derived, and by whom")
+    device: str
+    date: str
+    method: str = Field(description="command or procedure that produced the file")
+    assumptions: list[Assumption] = []
+    notes: list[str] = []
+
+
+class ModelShape(_Strict):
+    """The transformer the profile describes (informational except ``num_layers``)."""
+
+    name: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    dtype_bytes: int = Field(gt=0)
+
+
+class AttentionTable(_Strict):
+    """Measured causal attention forward+backward seconds per layer for one sequence, cp = 1."""
+
+    form: Literal["table"]
+    lengths: list[int] = Field(min_length=2)
+    seconds: list[float] = Field(min_length=2)
+    step_overhead_seconds: float = Field(
+        ge=0, description="fixed kernel cost of one ring step (one varlen call), fwd+bwd"
+    )
+    backward_forward_ratio: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AttentionTable:
+        if len(self.lengths) != len(self.seconds):
+            raise ValueError(
+                f"attention.lengths has {len(self.lengths)} entries but attention.seconds has "
+                f"{len(self.seconds)}"
+            )
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
+            raise ValueError("attention.lengths must be positive and strictly increasing")
+        if any(t <= self.step_overhead_seconds for t in self.seconds):
+            raise ValueError(
+                "attention.seconds must all exceed attention.step_overhead_seconds "
+                f"({self.step_overhead_seconds}); the overhead is part of each measurement"
+            )
+        return self
+
+
+class AttentionQuadratic(_Strict):
+    """Attention seconds per layer for one sequence of s tokens at cp = 1: alpha*s^2 + beta*s."""
+
+    form: Literal["quadratic"]
+    alpha: float = Field(ge=0)
+    beta: float = Field(ge=0)
+    step_overhead_seconds: float = Field(ge=0, default=0.0)
+    backward_forward_ratio: float = Field(gt=0, default=2.5)
+
+
+class Link(_Strict):
+    """One ring step's transfer: ``latency + bytes / bandwidth``."""
+
+    latency_seconds: float = Field(ge=0)
+    bandwidth_bytes_per_second: float = Field(gt=0)
+
+
+class Communication(_Strict):
+    """Ring attention traffic: each step moves the KV block; the backward also moves dK/dV."""
+
+    kv_bytes_per_token: float = Field(
+        ge=0, description="bytes of K and V per token per layer (2 * kv_heads * head_dim * dtype)"
+    )
+    backward_bytes_factor: float = Field(ge=0, default=2.0)
+    overlap: bool = Field(
+        default=True, description="transfer of the next block overlaps the current compute"
+    )
+    intra_node: Link
+    inter_node: Link
+
+
+class Overheads(_Strict):
+    microbatch_seconds: float = Field(ge=0, description="fixed cost of one forward+backward")
+    wave_seconds: float = Field(ge=0, description="synchronisation when group membership changes")
+
+
+class Profile(_Strict):
+    """A complete cost-model profile."""
+
+    schema_version: Literal[1]
+    name: str
+    description: str
+    provenance: Provenance
+    model: ModelShape
+    linear_seconds_per_token: float = Field(
+        ge=0, description="all non-attention work (GEMMs, norms, MLP, head), fwd+bwd, whole model"
+    )
+    attention: Annotated[AttentionTable | AttentionQuadratic, Field(discriminator="form")]
+    communication: Communication
+    overheads: Overheads
+
+    @classmethod
+    def from_json(cls, text: str, origin: str = "<string>") -> Profile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile {origin} is not valid JSON: {exc}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise ProfileError(f"profile {origin} is invalid: {problems}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+def bundled_profiles() -> dict[str, Path]:
+    """Profiles shipped with dyncp, by name."""
+    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.json"))}
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Load a bundled profile by name (e.g. ``h100-reference``) or a profile JSON by path."""
+    path = Path(name_or_path)
+    bundled = bundled_profiles()
+    if not path.exists():
+        if str(name_or_path) in bundled:
+            path = bundled[str(name_or_path)]
+        else:
+            raise ProfileError(
+                f"profile {str(name_or_path)!r} is neither a file nor a bundled profile "
+                f"(bundled: {', '.join(bundled) or 'none'})"
+            )
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc}") from None
+    return Profile.from_json(text, origin=str(path))
