@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import ProfileError, bundled_profiles
+from dyncp.cost_model.schema import ProfileError, bundled_profiles
 from dyncp.datasets import (
     BUNDLED,
     DEFAULT_DATASET,
