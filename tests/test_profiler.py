@@ -58,6 +58,8 @@ def synthetic_raw(cfg, a=2e-9, b=1e-7, k=2e-4, lin=3e-6, const=4e-3, lat=5e-5, b
         "pack_tokens": tokens.tolist(),
         "pack_seconds": packs.tolist(),
         "pack_seqlen": 64,
+        "single_len": lengths.tolist(),
+        "single_seconds": (lin * lengths + const + cfg.layers * fwdbwd).tolist(),
         "links": {2: [(n, lat + n / bw) for n in nbytes], 4: [(n, lat + n / bw) for n in nbytes]},
         "wave_seconds": 1e-3,
     }
@@ -81,6 +83,8 @@ def test_build_profile_recovers_the_cost_model() -> None:
     assert link.latency_seconds == pytest.approx(5e-5, rel=1e-6)
     assert link.bandwidth_bytes_per_second == pytest.approx(2e9, rel=1e-6)
     assert profile.overheads.wave_seconds == 1e-3
+    raw = synthetic_raw(cfg)
+    assert profile.attention.seconds == pytest.approx(raw["attn_fwdbwd"], rel=1e-3)
     assert "max relative error" in " ".join(profile.provenance.notes)
     model = CostModel(profile, ranks_per_node=4)
     # cp = 1 prediction of a pack of 64-token sequences equals the synthetic machine's time
