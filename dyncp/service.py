@@ -1,0 +1,488 @@
+"""The plan service: plan steps ahead on one rank and publish them through the job's Store.
+
+One process plans (a thread on one training rank, or ``python -m dyncp.serve`` next to the job);
+every rank reads the published plan of each step. A plan that is not there by a rank's deadline is
+replaced, on every rank, by the deterministic greedy plan of that step, computed locally. All of
+it runs over a ``torch.distributed.Store`` (the job's TCPStore); no process group is needed.
+
+Store protocol (keys under ``dyncp/<prefix>/``)::
+
+    cursor              "<epoch> <step>": written by every reader when it starts needing a step
+    e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
+                        the plan JSON (by the service) or FALLBACK (by a reader whose deadline
+                        passed first)
+
+Each step key is a one-shot register: the first writer wins and nothing rewrites it, so every rank
+reads the same value however late the plan and however differently the ranks time out. A plan
+that arrives after a reader wrote FALLBACK is counted late (``ServiceCounters.late``) and unused.
+The service plans the steps ``cursor .. cursor + lookahead`` (spilling into epoch + 1 at the end of
+an epoch). Reader rank 0 deletes step keys ``keep_steps`` behind it, so the Store stays bounded
+(what stays: the last ``keep_steps`` keys, and at most ``lookahead`` keys of an epoch + 1 that a
+job never runs).
+
+Readers poll ``store.check`` rather than block in ``store.wait(keys, timeout)``: a timed-out wait
+logs C++ warnings on every fallback, and a blocked wait holds the client's connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dyncp.plan import PlanError, StepPlan, Topology
+from dyncp.planner.planner import Planner
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+__all__ = [
+    "FALLBACK",
+    "BatchSource",
+    "Fetched",
+    "PlanAgreement",
+    "PlanClient",
+    "PlanMismatchError",
+    "PlanService",
+    "ServiceCounters",
+    "check_plan",
+    "fallback_planner",
+    "lookahead_targets",
+    "plan_batch",
+    "plan_digest",
+    "step_key",
+]
+
+FALLBACK = b"FALLBACK"
+#: A cursor this many steps behind the service's is a restarted job, not a lagging rank.
+CURSOR_RESET_STEPS = 64
+
+log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """The global batches of each epoch (``dyncp.sampler.BatchSchedule`` implements it)."""
+
+    def num_steps(self, epoch: int) -> int: ...
+
+    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset indices, admitted lengths) of one global batch."""
+        ...
+
+
+def _check_prefix(prefix: str) -> str:
+    if not prefix or not isinstance(prefix, str) or "/" in prefix:
+        raise ValueError(f"prefix must be a non-empty string without '/', got {prefix!r}")
+    return prefix
+
+
+def step_key(prefix: str, epoch: int, step: int) -> str:
+    """Store key holding the decision for one step."""
+    return f"dyncp/{prefix}/e{epoch}/s{step}"
+
+
+def _cursor_key(prefix: str) -> str:
+    return f"dyncp/{prefix}/cursor"
+
+
+def plan_digest(plan: StepPlan) -> int:
+    """64-bit signed digest of what a plan executes (topology, batch, waves; not stats)."""
+    data = plan.to_dict()
+    body = {k: data[k] for k in ("topology", "lengths", "sample_ids", "waves")}
+    raw = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def fallback_planner(planner: Planner) -> Planner:
+    """The deterministic greedy planner on ``planner``'s topology and cost model.
+
+    A pure function of the batch (no CP-SAT, no wall clock), so every rank computes the same plan.
+    """
+    t = planner.topology
+    return Planner(
+        planner.model,
+        world=t.world,
+        ranks_per_node=t.ranks_per_node,
+        capacity=t.capacity,
+        group_sizes=t.group_sizes,
+        policy="dyncp",
+        deterministic=True,
+        cpsat=None,
+    )
+
+
+def plan_batch(planner: Planner, sample_ids: np.ndarray, lengths: np.ndarray) -> StepPlan:
+    """A validated plan of one global batch, its ``sample_ids`` set to the dataset indices."""
+    plan = planner.plan(lengths)
+    plan.sample_ids = tuple(int(i) for i in sample_ids)
+    return plan
+
+
+def check_plan(
+    plan: StepPlan, *, topology: Topology, sample_ids: np.ndarray, lengths: np.ndarray
+) -> None:
+    """Raise ValueError unless ``plan`` is a valid plan of exactly this batch on ``topology``."""
+    if plan.topology != topology:
+        raise ValueError(f"plan is for topology {plan.topology}, this job has {topology}")
+    if plan.lengths != tuple(int(s) for s in lengths):
+        raise ValueError("plan lengths differ from this step's batch")
+    if plan.sample_ids != tuple(int(i) for i in sample_ids):
+        raise ValueError("plan sample_ids differ from this step's batch")
+    plan.validate()
+
+
+def lookahead_targets(
+    source: BatchSource, epoch: int, step: int, lookahead: int
+) -> list[tuple[int, int]]:
+    """Steps ``step .. step + lookahead`` of ``epoch``, continuing into ``epoch + 1``."""
+    out: list[tuple[int, int]] = []
+    e, s = epoch, step
+    for _ in range(lookahead + 1):
+        while s >= source.num_steps(e):
+            if e > epoch:  # a second empty epoch: nothing more to plan
+                return out
+            e, s = e + 1, s - source.num_steps(e)
+        out.append((e, s))
+        s += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------- service
+
+
+@dataclass(slots=True)
+class ServiceCounters:
+    """What the service did; plain numbers for logs and metrics."""
+
+    published: int = 0  # plans that won their step's register
+    late: int = 0  # plans that arrived after a reader had decided to fall back
+    errors: int = 0  # steps whose planning raised (FALLBACK published instead)
+    plan_seconds_total: float = 0.0
+    plan_seconds_max: float = 0.0
+    last_error: str = ""
+
+
+class PlanService:
+    """Plans the steps readers are about to need and publishes them in the Store.
+
+    Args:
+        store: the job's Store (the service uses its own connection, ``store.clone()``).
+        source: the global batches (the same schedule every reader uses).
+        planner: any Planner (CP-SAT and a long ``time_limit`` allowed: readers never wait for
+            it past their deadline).
+        prefix: job namespace of the keys.
+        lookahead: steps planned beyond the one readers currently need.
+        poll_seconds: how often the cursor is read when there is nothing to plan.
+
+    Raises:
+        ValueError: bad ``prefix`` or ``lookahead``.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        source: BatchSource,
+        planner: Planner,
+        prefix: str,
+        lookahead: int = 2,
+        poll_seconds: float = 0.002,
+    ) -> None:
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+        self.prefix = _check_prefix(prefix)
+        self.store = store
+        self.source = source
+        self.planner = planner
+        self.lookahead = lookahead
+        self.poll_seconds = poll_seconds
+        self.counters = ServiceCounters()
+        self._cursor: tuple[int, int] | None = None
+        self._done: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> PlanService:
+        """Run the service in a daemon thread on a cloned Store connection."""
+        if self._thread is not None:
+            raise RuntimeError("PlanService already started")
+        self.store = _clone(self.store)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="dyncp-plan-service", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the step being planned (if any) is published."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def run(self) -> None:
+        """The service loop (blocks until ``stop()``)."""
+        while not self._stop.is_set():
+            todo = self._next_target()
+            if todo is None:
+                self._stop.wait(self.poll_seconds)
+            else:
+                self.publish(*todo)
+
+    def _next_target(self) -> tuple[int, int] | None:
+        cursor = self._read_cursor()
+        if cursor is None:
+            return None
+        targets = lookahead_targets(self.source, *cursor, self.lookahead)
+        self._done = {t for t in self._done if t >= cursor}
+        return next((t for t in targets if t not in self._done), None)
+
+    def _read_cursor(self) -> tuple[int, int] | None:
+        key = _cursor_key(self.prefix)
+        if not self.store.check([key]):
+            return self._cursor
+        seen = tuple(int(v) for v in self.store.get(key).split())
+        # Readers differ by a few steps and each writes where it is: follow the furthest one,
+        # unless the cursor went far back (a restarted job).
+        if self._cursor is None or seen > self._cursor or self._behind(seen) > CURSOR_RESET_STEPS:
+            self._cursor = seen  # type: ignore[assignment]
+        return self._cursor
+
+    def _behind(self, seen: tuple[int, ...]) -> float:
+        """Steps from ``seen`` to the service's cursor (inf when more than an epoch apart)."""
+        assert self._cursor is not None
+        (e, s), (ce, cs) = seen, self._cursor
+        if e == ce:
+            return cs - s
+        if e == ce - 1:
+            return cs + self.source.num_steps(e) - s
+        return float("inf")
+
+    def publish(self, epoch: int, step: int) -> bool:
+        """Plan one step and offer it; True when it became the step's decision."""
+        self._done.add((epoch, step))
+        ids, lengths = self.source.batch(epoch, step)
+        start = time.perf_counter()
+        try:
+            value: bytes | None = plan_batch(self.planner, ids, lengths).to_json().encode()
+        except (PlanError, ValueError, RuntimeError) as exc:
+            log.warning(
+                "planning epoch %d step %d failed, publishing FALLBACK: %s", epoch, step, exc
+            )
+            self.counters.errors += 1
+            self.counters.last_error = repr(exc)
+            value = None
+        seconds = time.perf_counter() - start
+        self.counters.plan_seconds_total += seconds
+        self.counters.plan_seconds_max = max(self.counters.plan_seconds_max, seconds)
+        offer = FALLBACK if value is None else value
+        won = self.store.compare_set(step_key(self.prefix, epoch, step), "", offer) == offer
+        if value is None:
+            return False
+        if won:
+            self.counters.published += 1
+        else:
+            self.counters.late += 1
+        return won
+
+    def __enter__(self) -> PlanService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _clone(store: Store) -> Store:
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
+
+
+# ---------------------------------------------------------------------------------- reader
+
+
+class Fetched(NamedTuple):
+    """One step's plan as a reader got it."""
+
+    plan: StepPlan
+    source: str  # "service", "fallback" (or "local" from a sampler's own lookahead)
+    reason: str | None  # why it fell back: "late" or "rejected"
+    ready: bool  # whether the decision was there when asked (False: the reader waited)
+
+
+class PlanClient:
+    """Reads published plans; falls back to the deterministic greedy plan past the deadline.
+
+    Args:
+        store: the job's Store.
+        source: the global batches (to check a plan against, and to plan a fallback).
+        planner: the job's planner; its topology is required and its deterministic greedy
+            (:func:`fallback_planner`) is the fallback.
+        prefix: job namespace of the keys.
+        rank: this reader's rank; rank 0 also deletes old step keys.
+        deadline: seconds to wait for a step's plan.
+        late_deadline: the shorter wait used after a step fell back, until a plan arrives in time
+            again (so a stopped service costs this much per step, not ``deadline``).
+        keep_steps: rank 0 deletes the key of the step this many steps behind it.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        source: BatchSource,
+        planner: Planner,
+        prefix: str,
+        rank: int,
+        deadline: float = 1.0,
+        late_deadline: float = 0.05,
+        keep_steps: int = 64,
+    ) -> None:
+        if not deadline >= 0 or not late_deadline >= 0:
+            raise ValueError(
+                f"deadline and late_deadline must be >= 0 seconds, got {deadline}, {late_deadline}"
+            )
+        self.prefix = _check_prefix(prefix)
+        self.store = store
+        self.source = source
+        self.topology = planner.topology
+        self.fallback = fallback_planner(planner)
+        self.rank = rank
+        self.deadline = deadline
+        self.late_deadline = late_deadline
+        self.keep_steps = keep_steps
+        self._missed = False
+        self._consumed: deque[str] = deque()
+
+    def fetch(self, epoch: int, step: int) -> Fetched:
+        """The plan of one step: the published one, or the same fallback on every rank."""
+        key = step_key(self.prefix, epoch, step)
+        ids, lengths = self.source.batch(epoch, step)
+        self.store.set(_cursor_key(self.prefix), f"{epoch} {step}")
+        ready = self.store.check([key])
+        if ready:
+            value: bytes | None = self.store.get(key)
+        else:
+            value = self._poll(key, self.late_deadline if self._missed else self.deadline)
+        if value is None:
+            value = self.store.compare_set(key, "", FALLBACK)
+        self._forget_old(key)
+        self._missed = value == FALLBACK
+        if self._missed:
+            return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "late", False)
+        try:
+            plan = StepPlan.from_json(value.decode())
+            check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
+        except (ValueError, UnicodeDecodeError) as exc:
+            log.warning("published plan of epoch %d step %d rejected: %s", epoch, step, exc)
+            return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "rejected", ready)
+        return Fetched(plan, "service", None, ready)
+
+    def _poll(self, key: str, seconds: float) -> bytes | None:
+        """The key's value, polling ``check`` until it is set or ``seconds`` have passed."""
+        end = time.perf_counter() + seconds
+        pause = 0.0005
+        while not self.store.check([key]):
+            left = end - time.perf_counter()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.004)
+        return self.store.get(key)
+
+    def _forget_old(self, key: str) -> None:
+        if self.rank != 0 or self.keep_steps < 0:
+            return
+        self._consumed.append(key)
+        while len(self._consumed) > self.keep_steps:
+            old = self._consumed.popleft()
+            try:
+                self.store.delete_key(old)
+            except (RuntimeError, NotImplementedError):
+                log.info("this Store cannot delete keys; old plans stay in it")
+                self.keep_steps = -1
+                return
+
+
+# ---------------------------------------------------------------------------------- agreement
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks executed different plans for the same step."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+@dataclass(slots=True)
+class _Pending:
+    epoch: int
+    step: int
+    digests: list[torch.Tensor]
+    work: object = field(repr=False)
+
+
+class PlanAgreement:
+    """Compares every step's plan digest across the ranks of ``group`` (one all_gather per step).
+
+    The all_gather is asynchronous and checked when it completes (``poll``), so the check never
+    blocks the data pipeline, which runs ahead of training by a rank-dependent number of
+    micro-batches: a blocking collective there could wait on a rank that is itself waiting in a
+    training collective. Use a dedicated CPU (gloo) group, e.g. ``dist.new_group(backend="gloo")``,
+    so these all_gathers are the only collectives on it.
+
+    Raises:
+        PlanMismatchError: from ``submit``/``poll``/``wait``, naming the ranks whose digest differs
+            from the majority's.
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.ranks = list(dist.get_process_group_ranks(group))
+        self._pending: deque[_Pending] = deque()
+
+    def submit(self, epoch: int, step: int, digest: int) -> None:
+        mine = torch.tensor([digest], dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in self.ranks]
+        work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        self._pending.append(_Pending(epoch, step, out, work))
+        self.poll()
+
+    def poll(self) -> None:
+        """Check every completed comparison (in step order); never blocks."""
+        while self._pending and self._pending[0].work.is_completed():
+            self._check(self._pending.popleft())
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Block until every submitted comparison is checked (call at a safe point)."""
+        while self._pending:
+            pending = self._pending.popleft()
+            pending.work.wait(timedelta(seconds=timeout))
+            self._check(pending)
+
+    def _check(self, pending: _Pending) -> None:
+        digests = [int(t.item()) for t in pending.digests]
+        if len(set(digests)) == 1:
+            return
+        counts = {d: digests.count(d) for d in digests}
+        majority = max(counts, key=lambda d: (counts[d], d == digests[0]))
+        odd = [r for r, d in zip(self.ranks, digests) if d != majority]
+        raise PlanMismatchError(
+            f"epoch {pending.epoch} step {pending.step}: ranks {odd} executed a different plan "
+            f"from the other ranks (digests by rank: "
+            f"{dict(zip(self.ranks, (f'{d & (2**64 - 1):016x}' for d in digests)))}); check "
+            "that every rank has the same lengths, seed, batch size and planner",
+            odd,
+        )

@@ -1,0 +1,430 @@
+"""The plan service and its readers over a real TCPStore; 4 gloo ranks in spawned processes.
+
+Properties asserted: readers use the published plans; whatever the service does (absent, stopped,
+late, wrong), every reader of a step ends with the same plan, falls back within its deadline
+(no hang) and counts why; plan digests compared over a gloo group name the rank that differs;
+``python -m dyncp.serve`` serves a reader from another process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dyncp.cost_model import CostModel
+from dyncp.planner import Planner
+from dyncp.sampler import BatchSchedule, DynamicCPSampler
+from dyncp.service import (
+    PlanClient,
+    PlanMismatchError,
+    PlanService,
+    fallback_planner,
+    plan_batch,
+    plan_digest,
+    step_key,
+)
+
+WORLD, CAPACITY = 4, 1024
+HANG_SECONDS = 60
+
+
+@functools.lru_cache
+def _model() -> CostModel:
+    return CostModel.load("h100-reference", ranks_per_node=WORLD)
+
+
+def make_planner(**kwargs) -> Planner:
+    kwargs.setdefault("cpsat", None)
+    return Planner(_model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, **kwargs)
+
+
+class DelayedPlanner(Planner):
+    """Sleeps ``delays[call % len(delays)]`` seconds before each plan (a slow solver)."""
+
+    def __init__(self, delays: list[float]) -> None:
+        super().__init__(_model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, cpsat=None)
+        self.delays, self.calls = delays, 0
+
+    def plan(self, lengths):
+        time.sleep(self.delays[self.calls % len(self.delays)])
+        self.calls += 1
+        return super().plan(lengths)
+
+
+def make_lengths(n: int = 160, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(5.5, 1.2, n).astype(np.int64), 1, WORLD * CAPACITY)
+
+
+def make_schedule(lengths: np.ndarray, seed: int = 0) -> BatchSchedule:
+    return BatchSchedule(
+        lengths, max_length=WORLD * CAPACITY, seed=seed, global_batch_tokens=2 * WORLD * CAPACITY
+    )
+
+
+@pytest.fixture
+def master():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    yield store
+
+
+def client(master) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=30))
+
+
+def read_all(reader: PlanClient, steps: int, pause: float = 0.0) -> list:
+    out = []
+    for step in range(steps):
+        fetched = reader.fetch(0, step)
+        out.append((plan_digest(fetched.plan), fetched.source, fetched.reason, fetched.ready))
+        time.sleep(pause)
+    return out
+
+
+# ------------------------------------------------------------------------------ one process
+
+
+def test_readers_use_published_plans_and_old_keys_are_deleted(master) -> None:
+    schedule = make_schedule(make_lengths())
+    steps = schedule.num_steps(0)
+    with PlanService(
+        client(master), source=schedule, planner=make_planner(), prefix="p", lookahead=2
+    ):
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="p",
+            rank=0,
+            deadline=10.0,
+            keep_steps=2,
+        )
+        got = read_all(reader, steps, pause=0.1)
+    assert [g[1] for g in got] == ["service"] * steps
+    assert all(g[3] for g in got[1:]), "with lookahead the plans after the first are ready"
+    for step, (digest, *_) in enumerate(got):
+        ids, lengths = schedule.batch(0, step)
+        assert digest == plan_digest(plan_batch(make_planner(), ids, lengths))
+    live = [s for s in range(steps) if master.check([step_key("p", 0, s)])]
+    assert live == list(range(steps - 2, steps)), "rank 0 deletes keys keep_steps behind it"
+
+
+def test_without_a_service_every_reader_falls_back_to_the_same_plan(master) -> None:
+    schedule = make_schedule(make_lengths(seed=1))
+    steps = schedule.num_steps(0)
+    results: dict[int, list] = {}
+
+    def run(rank: int) -> None:
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="none",
+            rank=rank,
+            deadline=0.3,
+            late_deadline=0.01,
+        )
+        results[rank] = read_all(reader, steps)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_SECONDS)
+    elapsed = time.perf_counter() - start
+    assert sorted(results) == [0, 1, 2]
+    assert results[0] == results[1] == results[2]
+    assert {(g[1], g[2]) for g in results[0]} == {("fallback", "late")}
+    # One full deadline, then the short one: a stopped service never stalls the loop.
+    assert elapsed < 0.3 + steps * (0.01 + 0.5), elapsed
+    greedy = fallback_planner(make_planner(deterministic=False))
+    assert results[0][0][0] == plan_digest(plan_batch(greedy, *schedule.batch(0, 0)))
+
+
+def test_a_late_service_never_makes_readers_diverge(master) -> None:
+    """Plans come just before, around and well after the deadline; readers start their waits at
+    different times. Every step must end with one plan on every reader."""
+    schedule = make_schedule(make_lengths(240, seed=2))
+    steps = schedule.num_steps(0)
+    planner = DelayedPlanner([0.0, 0.15, 0.5])
+    results: dict[int, list] = {}
+
+    def run(rank: int) -> None:
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="late",
+            rank=rank,
+            deadline=0.15,
+            late_deadline=0.15,
+        )
+        results[rank] = read_all(reader, steps, pause=0.01 * rank)
+
+    service = PlanService(
+        client(master), source=schedule, planner=planner, prefix="late", lookahead=0
+    )
+    with service:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HANG_SECONDS)
+    assert sorted(results) == [0, 1, 2, 3]
+    for step in range(steps):
+        assert len({results[r][step][0] for r in range(4)}) == 1, f"step {step} diverged"
+        assert len({results[r][step][1] for r in range(4)}) == 1
+    sources = {g[1] for g in results[0]}
+    assert sources == {"service", "fallback"}, sources
+    assert service.counters.late >= 1
+    assert service.counters.published == sum(g[1] == "service" for g in results[0])
+
+
+def test_a_plan_for_another_batch_is_rejected_and_counted(master) -> None:
+    lengths = make_lengths(seed=3)
+    schedule = make_schedule(lengths)
+    store = client(master)
+    wrong = plan_batch(make_planner(), *schedule.batch(0, 1)).to_json()
+    store.compare_set(step_key("bad", 0, 0), "", wrong)  # step 1's plan under step 0's key
+    store.compare_set(step_key("bad", 0, 1), "", "{not json")
+    sampler = DynamicCPSampler(
+        lengths,
+        world_size=WORLD,
+        rank=1,
+        capacity=CAPACITY,
+        planner=make_planner(),
+        global_batch_tokens=2 * WORLD * CAPACITY,
+        store=store,
+        prefix="bad",
+        deadline=0.05,
+    )
+    infos = []
+    sampler.on_step = lambda plan, info: infos.append(info)
+    list(sampler)
+    assert [(i.source, i.reason) for i in infos[:2]] == [("fallback", "rejected")] * 2
+    assert sampler.counters.rejected_plans == 2
+    assert sampler.counters.fallbacks == sampler.counters.steps  # no service: all fall back
+
+
+def test_samplers_in_store_mode_share_the_service_plans(master) -> None:
+    lengths = make_lengths(200, seed=4)
+    samplers = [
+        DynamicCPSampler(
+            lengths,
+            world_size=WORLD,
+            rank=r,
+            capacity=CAPACITY,
+            planner=make_planner(),
+            global_batch_tokens=2 * WORLD * CAPACITY,
+            store=client(master),
+            prefix="mode",
+            deadline=10.0,
+        )
+        for r in range(WORLD)
+    ]
+    per_rank = [list(s) for s in samplers]  # rank 0 runs the service; the others read its keys
+    samplers[0].close()
+    assert all(s.counters.service_plans == s.num_steps for s in samplers)
+    where = defaultdict(set)
+    for rank, mbs in enumerate(per_rank):
+        for mb in mbs:
+            m = mb.meta
+            where[(m.step, m.wave, m.group_start, m.microbatch)].add(rank)
+            assert rank in m.group_ranks
+    samples = [i for mbs in per_rank for mb in mbs if mb.meta.rank_in_group == 0 for i in mb]
+    assert sorted(samples) == list(range(len(lengths)))
+    assert all(ranks == set(range(k[2], k[2] + len(ranks))) for k, ranks in where.items())
+
+
+def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> None:
+    lengths = make_lengths(seed=5)
+    np.save(tmp_path / "lengths.npy", lengths)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dyncp.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(master.port),
+        "--prefix",
+        "cli",
+        "--dataset",
+        str(tmp_path / "lengths.npy"),
+        "--world",
+        str(WORLD),
+        "--ranks-per-node",
+        str(WORLD),
+        "--capacity",
+        str(CAPACITY),
+        "--global-batch-tokens",
+        str(2 * WORLD * CAPACITY),
+        "--time-limit",
+        "0.05",
+        "--duration",
+        str(HANG_SECONDS),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        schedule = make_schedule(lengths)
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="cli",
+            rank=0,
+            deadline=HANG_SECONDS / 2,
+        )
+        got = read_all(reader, schedule.num_steps(0))
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=HANG_SECONDS)
+    assert [g[1] for g in got] == ["service"] * len(got), out
+    assert proc.returncode == 0 and "published=" in out, out
+
+
+# ------------------------------------------------------------------------------ 4 gloo ranks
+
+
+def _phase(sampler: DynamicCPSampler, rank: int, stop_at: int | None = None, service=None) -> dict:
+    rng = np.random.default_rng(rank)
+    infos, mbs = [], []
+    sampler.on_step = lambda plan, info: infos.append(info)
+    for mb in sampler:
+        m = mb.meta
+        mbs.append([m.step, m.wave, m.group_start, m.microbatch, m.rank_in_group, list(mb)])
+        time.sleep(float(rng.uniform(0, 0.004)))  # ranks run at their own pace
+        if service is not None and m.step == stop_at and m.last_in_step:
+            service.stop()  # the service dies mid-epoch
+    sampler.verify_plans(HANG_SECONDS)
+    sampler.close()
+    return dict(
+        steps=[[i.step, str(i.digest), i.source] for i in infos],
+        microbatches=mbs,
+        counters=dataclasses.asdict(sampler.counters),
+    )
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=HANG_SECONDS))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=HANG_SECONDS),
+    )
+    group = dist.new_group(backend="gloo")
+    lengths = make_lengths(300, seed=7)
+    common = dict(
+        world_size=WORLD,
+        rank=rank,
+        capacity=CAPACITY,
+        global_batch_tokens=2 * WORLD * CAPACITY,
+        group=group,
+    )
+    out = {}
+    try:
+        # A: rank 0 runs the service (a planner that is not deterministic: only it decides).
+        out["service"] = _phase(
+            DynamicCPSampler(lengths, planner=make_planner(), store=store, prefix="a", **common),
+            rank,
+        )
+        # B: nobody serves: every rank falls back, quickly, to the same plans.
+        out["no_service"] = _phase(
+            DynamicCPSampler(
+                lengths,
+                planner=make_planner(),
+                store=store,
+                prefix="b",
+                serve=False,
+                deadline=0.2,
+                late_deadline=0.01,
+                **common,
+            ),
+            rank,
+        )
+        # C: the service stops after step 2 (rank 0 stops it while the others are elsewhere).
+        sampler = DynamicCPSampler(
+            lengths,
+            planner=make_planner(),
+            store=store,
+            prefix="c",
+            serve=False,
+            deadline=0.5,
+            late_deadline=0.01,
+            lookahead=1,
+            **common,
+        )
+        service = None
+        if rank == 0:
+            schedule = sampler.schedule
+            service = PlanService(store, source=schedule, planner=make_planner(), prefix="c")
+            service.start()
+        out["stopped"] = _phase(sampler, rank, stop_at=2, service=service)
+        # D: rank 3 was given another seed: the digest check names it (one step, so that no
+        # comparison is left outstanding when the error stops the ranks).
+        common["global_batch_tokens"] = int(lengths.sum())
+        sampler = DynamicCPSampler(
+            lengths, planner=make_planner(deterministic=True), seed=int(rank == 3), **common
+        )
+        try:
+            _phase(sampler, rank)
+        except PlanMismatchError as exc:
+            out["mismatch"] = dict(ranks=list(exc.ranks), message=str(exc))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def test_four_gloo_ranks_execute_identical_plans(
+    master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks importing torch on a small machine
+    ctx = mp.start_processes(
+        _worker, args=(master.port, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 3 * HANG_SECONDS
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"gloo ranks did not finish in {3 * HANG_SECONDS} s")
+    res = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    lengths = make_lengths(300, seed=7)
+    for phase in ("service", "no_service", "stopped"):
+        steps = [r[phase]["steps"] for r in res]
+        assert all(s == steps[0] for s in steps), f"{phase}: ranks executed different plans"
+        where = defaultdict(set)
+        for rank, r in enumerate(res):
+            for step, wave, start, m, index, ids in r[phase]["microbatches"]:
+                assert index == rank - start
+                for i in ids:
+                    where[i].add((step, wave, start, m))
+        assert sorted(where) == list(range(len(lengths))), phase
+        assert all(len(v) == 1 for v in where.values()), f"{phase}: a sample in two micro-batches"
+    sources = {
+        phase: [s[2] for s in res[0][phase]["steps"]] for phase in res[0] if phase != "mismatch"
+    }
+    assert set(sources["service"]) == {"service"}
+    assert set(sources["no_service"]) == {"fallback"}
+    assert "service" in sources["stopped"] and sources["stopped"][-1] == "fallback"
+    for r in res:
+        assert r["mismatch"]["ranks"] == [3], r["mismatch"]
+        assert "ranks [3] executed a different plan" in r["mismatch"]["message"]
