@@ -39,7 +39,7 @@ import torch.distributed as dist
 from scipy.optimize import nnls
 
 from dyncp.cost_model.schema import Profile
-from dyncp.ring_attention import make_ring_layout, ring_attention
+from dyncp.ring_attention import make_ring_layout, ring_attention, zigzag_positions, zigzag_shard
 from dyncp.ring_attention.comm import ring_exchange
 from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
 
@@ -52,14 +52,27 @@ MODELS = {
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    """Median over repeats of the slowest rank's time (ranks start each repeat together).
+
+    A training step waits for its slowest rank, so under torchrun every repeat is timed on all
+    ranks at once and the maximum is kept -- the statistic the validation measures too.
+    """
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        if distributed:
+            dist.barrier()
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        t = time.perf_counter() - t0
+        if distributed:
+            slowest = torch.tensor([t], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            t = float(slowest.item())
+        times.append(t)
     return statistics.median(times)
 
 
@@ -191,6 +204,26 @@ def measure(
             log(
                 f"  ring step, group of {c}: {points[-1][1] * 1e3:.3f} ms for {points[-1][0]} bytes"
             )
+        # The ring's fixed cost per step as training pays it (kernel calls, merges, autograd,
+        # P2P set-up): the model on a tiny pack per group size; fitted into the link latency.
+        out["ring_packs"] = {}
+        for c in sizes:
+            group = groups[c][me // c]
+            seqlens = [2 * c * 4] * 4
+            tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
+            labels = next_token_labels(tokens, seqlens)
+            r = me % c
+            layout = make_ring_layout(seqlens=seqlens, cp=c, group=group, rank=me)
+            tok = zigzag_shard(tokens, seqlens=seqlens, cp=c, rank=r)
+            lab = zigzag_shard(labels, seqlens=seqlens, cp=c, rank=r, pad_value=-100)
+            pos = zigzag_positions(seqlens=seqlens, cp=c, rank=r).to(device)
+
+            def ring_step(tok=tok, lab=lab, pos=pos, layout=layout) -> None:
+                model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
+
+            together()
+            out["ring_packs"][c] = (seqlens, _median_seconds(ring_step, repeats, sync))
+            log(f"  model on a tiny pack at cp {c}: {out['ring_packs'][c][1] * 1e3:.3f} ms")
         statuses: list = [None] * world
 
         def wave_sync() -> None:
@@ -208,6 +241,64 @@ def _gather_max(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def _calibrate_latency(
+    packs: dict,
+    cfg: TinyConfig,
+    lin: float,
+    const: float,
+    lengths: np.ndarray,
+    table: np.ndarray,
+    k: float,
+    ratio: float,
+    bandwidth: float,
+    floor: float,
+) -> float:
+    """The per-step latency that makes the cost model match the measured tiny ring packs.
+
+    Tiny packs are communication-bound, so each layer's time grows by (2(c-1) + 1) x latency;
+    the mean over group sizes of the latency each pack implies (never below the raw P2P fit).
+    """
+    from dyncp.cost_model.model import CostModel
+
+    values = []
+    for c, (seqlens, measured) in packs.items():
+        probe = {
+            "schema_version": 1,
+            "name": "probe",
+            "description": "latency probe",
+            "provenance": {"source": "-", "device": "-", "date": "-", "method": "-"},
+            "model": {
+                "name": "tiny",
+                "num_layers": cfg.layers,
+                "hidden_size": cfg.dim,
+                "num_heads": cfg.heads,
+                "num_kv_heads": cfg.kv_heads,
+                "head_dim": cfg.head_dim,
+                "ffn_hidden_size": cfg.ffn,
+                "vocab_size": cfg.vocab,
+                "dtype_bytes": 4,
+            },
+            "linear_seconds_per_token": lin,
+            "attention": {
+                "form": "table",
+                "lengths": lengths.tolist(),
+                "seconds": table.tolist(),
+                "step_overhead_seconds": k,
+                "backward_forward_ratio": max(ratio, 1e-3),
+            },
+            "communication": {
+                "kv_bytes_per_token": float(2 * cfg.kv_heads * cfg.head_dim * 4),
+                "intra_node": {"latency_seconds": 0.0, "bandwidth_bytes_per_second": bandwidth},
+                "inter_node": {"latency_seconds": 0.0, "bandwidth_bytes_per_second": bandwidth},
+            },
+            "overheads": {"microbatch_seconds": const, "wave_seconds": 0.0},
+        }
+        model = CostModel(Profile.model_validate(probe), ranks_per_node=int(c))
+        base = model.microbatch_seconds(int(c), seqlens)
+        values.append((measured - base) / (cfg.layers * (2 * (int(c) - 1) + 1)))
+    return max(floor, float(np.mean(values)))
 
 
 def build_profile(
@@ -264,6 +355,25 @@ def build_profile(
             }
         )
         wave = raw.get("wave_seconds", 0.0)
+        if raw.get("ring_packs"):
+            latency = _calibrate_latency(
+                raw["ring_packs"],
+                cfg,
+                per_token,
+                constant,
+                lengths,
+                fwdbwd,
+                k,
+                ratio,
+                bandwidth,
+                latency,
+            )
+            notes.append(
+                f"ring step latency calibrated on the model's tiny packs at cp "
+                f"{sorted(raw['ring_packs'])}: {latency:.3e} s per step (kernel calls, merges, "
+                "autograd and P2P set-up of one ring step)"
+            )
+            inter["latency_seconds"] = latency
     else:
         latency, bandwidth = 1e-5, 1e10
         inter = {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
