@@ -41,7 +41,23 @@ __all__ = ["greedy_plan", "GreedyConstructor"]
 # gets a larger group, and how many times all long sequences' CP sizes are doubled.
 STRUCTURES = ((1.0, 0), (0.5, 0), (0.25, 0), (1.0, 1), (1.0, 2))
 # Common wave levels tried by build_level, as multiples of the ideal step.
-LEVEL_FACTORS = (1.0, 1.04, 1.08, 1.15, 1.25, 1.4, 1.7, 2.0)
+LEVEL_FACTORS = (
+    0.97,
+    1.0,
+    1.02,
+    1.04,
+    1.06,
+    1.08,
+    1.11,
+    1.15,
+    1.2,
+    1.25,
+    1.32,
+    1.4,
+    1.55,
+    1.7,
+    2.0,
+)
 
 
 class GreedyConstructor:
