@@ -243,6 +243,21 @@ def _gather_max(value: float) -> float:
     return float(t.item())
 
 
+def _model_shape(cfg: TinyConfig, *, dtype_bytes: int) -> dict:
+    """The profile's ``model`` section for a tiny-decoder config."""
+    return {
+        "name": "tiny",
+        "num_layers": cfg.layers,
+        "hidden_size": cfg.dim,
+        "num_heads": cfg.heads,
+        "num_kv_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "ffn_hidden_size": cfg.ffn,
+        "vocab_size": cfg.vocab,
+        "dtype_bytes": dtype_bytes,
+    }
+
+
 def _calibrate_latency(
     packs: dict,
     cfg: TinyConfig,
@@ -269,17 +284,7 @@ def _calibrate_latency(
             "name": "probe",
             "description": "latency probe",
             "provenance": {"source": "-", "device": "-", "date": "-", "method": "-"},
-            "model": {
-                "name": "tiny",
-                "num_layers": cfg.layers,
-                "hidden_size": cfg.dim,
-                "num_heads": cfg.heads,
-                "num_kv_heads": cfg.kv_heads,
-                "head_dim": cfg.head_dim,
-                "ffn_hidden_size": cfg.ffn,
-                "vocab_size": cfg.vocab,
-                "dtype_bytes": 4,
-            },
+            "model": _model_shape(cfg, dtype_bytes=4),
             "linear_seconds_per_token": lin,
             "attention": {
                 "form": "table",
@@ -403,17 +408,7 @@ def build_profile(
             "assumptions": assumptions,
             "notes": notes + [f"torch {torch.__version__}, python {platform.python_version()}"],
         },
-        "model": {
-            "name": "tiny",
-            "num_layers": cfg.layers,
-            "hidden_size": cfg.dim,
-            "num_heads": cfg.heads,
-            "num_kv_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim,
-            "ffn_hidden_size": cfg.ffn,
-            "vocab_size": cfg.vocab,
-            "dtype_bytes": torch.empty((), dtype=dtype).element_size(),
-        },
+        "model": _model_shape(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
         "linear_seconds_per_token": per_token,
         "attention": {
             "form": "table",
