@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -436,6 +436,27 @@ class Metrics:
         if isinstance(steps, bool) or int(steps) != steps or steps < 0:
             raise ValueError(f"lookahead steps must be an integer >= 0, got {steps!r}")
         self.lookahead_steps.labels(self._policy(policy)).set(int(steps))
+
+    def sampler_hook(self, *, lookahead: int | None = None) -> Callable[[StepPlan, Any], None]:
+        """An ``on_step(plan, info)`` callback for ``DynamicCPSampler`` (install it on one rank).
+
+        Records each step's plan (predictions, latency, CP mix), whether it was late, fallbacks
+        with their reason, and the lookahead depth.
+        """
+
+        def on_step(plan: StepPlan, info: Any) -> None:
+            policy = self._policy(str(plan.stats.get("policy") or plan.policy or "dyncp"))
+            if "predicted_step_seconds" in plan.stats:  # restored plans may carry no stats
+                self.observe_step(plan)
+            if not info.ready:
+                self.observe_late_plan(policy=policy)
+            if info.source == "fallback":
+                reason = info.reason if info.reason in FALLBACK_REASONS else "error"
+                self.observe_fallback(policy=policy, reason=reason)
+            if lookahead is not None:
+                self.set_lookahead_depth(policy=policy, steps=lookahead)
+
+        return on_step
 
     # ------------------------------------------------------------------------------ export
     def exposition_registry(self) -> CollectorRegistry:

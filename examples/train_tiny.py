@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
 from dyncp.sim.replay import admit, draw_batches
@@ -35,12 +36,17 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=512, help="tokens per rank per micro-batch")
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--global-batch-tokens", type=int, default=4096)
-    p.add_argument("--profile", default="h100-reference")
+    p.add_argument(
+        "--profile", default=None, help="default: cpu-gloo on gloo (this model measured on CPU)"
+    )
     p.add_argument("--backend", default="gloo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     args = p.parse_args()
 
     dist.init_process_group(args.backend)
+    if args.profile is None:
+        args.profile = "cpu-gloo" if args.backend == "gloo" else "h100-reference"
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -60,6 +66,10 @@ def main() -> None:
         deterministic=True,
         cpsat=None,
     )  # identical on every rank
+    metrics = None
+    if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
+        metrics = Metrics(cp_sizes=planner.topology.group_sizes)
+        print(f"metrics at {metrics.serve(port=args.metrics_port).url}")
     torch.manual_seed(args.seed)
     cfg = TinyConfig(vocab=256, dim=64, heads=4, kv_heads=2, layers=2, ffn=128)
     model = TinyDecoder(cfg).to(device)
@@ -110,6 +120,14 @@ def main() -> None:
         all_busy = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(all_busy, busy)
         busy_all = np.array([b.item() for b in all_busy])
+        if metrics is not None:
+            metrics.observe_step(plan)
+            metrics.observe_measured_step(
+                policy=plan.policy,
+                step_seconds=seconds,
+                rank_busy_seconds=busy_all,
+                predicted_step_seconds=plan.stats["predicted_step_seconds"],
+            )
         if rank == 0:
             st = plan.stats
             sizes = sorted(set(plan.cp_of_sequences().values()))

@@ -461,3 +461,34 @@ def test_cli_serves_metrics_while_replaying(tmp_path: Path) -> None:
         mean = samples[("dyncp_step_imbalance_ratio_sum", lab)] / 2
         assert mean == pytest.approx(pol["mean_imbalance"], rel=1e-12)
         assert samples[("dyncp_cost_model_relative_error_ratio_count", (("policy", name),))] == 2
+
+
+def test_sampler_hook_records_plans_late_steps_and_fallbacks() -> None:
+    """The on_step hook feeds a sampler's steps into the metrics, fallbacks with their reason."""
+    from types import SimpleNamespace
+
+    from dyncp.cost_model import CostModel
+    from dyncp.planner import Planner
+
+    planner = Planner(
+        CostModel.load("h100-reference", ranks_per_node=8),
+        world=64,
+        ranks_per_node=8,
+        capacity=8192,
+        cpsat=None,
+    )
+    metrics = Metrics(cp_sizes=planner.topology.group_sizes)
+    hook = metrics.sampler_hook(lookahead=2)
+    plan = planner.plan([300, 9000, 70000, 5, 1200])
+    hook(plan, SimpleNamespace(source="service", reason=None, ready=True))
+    hook(plan, SimpleNamespace(source="fallback", reason="late", ready=False))
+    text = metrics.exposition().decode()
+
+    def value(line_start: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(line_start))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value('dyncp_plan_seconds_count{policy="dyncp"}') == 2
+    assert value('dyncp_fallback_plans_total{policy="dyncp",reason="late"}') == 1
+    assert value('dyncp_plan_service_late_plans_total{policy="dyncp"}') == 1
+    assert value('dyncp_plan_service_lookahead_steps{policy="dyncp"}') == 2
