@@ -43,23 +43,26 @@ def test_linear_and_link_fits_recover_coefficients() -> None:
     assert err < 1e-9
 
 
-def synthetic_raw(cfg, a=2e-9, b=1e-7, k=2e-4, lin=3e-6, const=4e-3, lat=5e-5, bw=2e9) -> dict:
-    """What measure() would return on a machine that follows the cost model exactly."""
+def synthetic_raw(cfg, a=2e-9, b=1e-7, o=2e-4, lin=3e-6, const=4e-3, lat=5e-5, bw=2e9) -> dict:
+    """What measure() returns on a machine that follows the cost model exactly: attention per
+    sequence a s^2 + b s + o per layer, lin per token, const per micro-batch."""
     lengths = np.array([32, 64, 128, 256, 512, 1024, 2048])
-    fwdbwd = a * lengths**2 + b * lengths + k
-    tokens = np.array([64, 128, 256, 512, 1024, 2048])
-    att_one = a * 64**2 + b * 64  # net of k
-    packs = lin * tokens + const + cfg.layers * (tokens / 64 * att_one + k)
+    kernel = a * lengths**2 + b * lengths + 5e-5  # bare kernel: its own call cost
+    packs = [
+        (s, n, lin * s * n + const + cfg.layers * n * (a * s * s + b * s + o))
+        for s, counts in ((64, (1, 2, 4, 8, 16, 32)), (256, (1, 2, 4, 8)))
+        for n in counts
+    ]
     nbytes = [1e4, 1e5, 1e6, 1e7]
     return {
         "attn_len": lengths.tolist(),
-        "attn_fwd": (fwdbwd / 3.5).tolist(),
-        "attn_fwdbwd": fwdbwd.tolist(),
-        "pack_tokens": tokens.tolist(),
-        "pack_seconds": packs.tolist(),
-        "pack_seqlen": 64,
+        "attn_fwd": (kernel / 3.5).tolist(),
+        "attn_fwdbwd": kernel.tolist(),
+        "packs": packs,
         "single_len": lengths.tolist(),
-        "single_seconds": (lin * lengths + const + cfg.layers * fwdbwd).tolist(),
+        "single_seconds": (
+            lin * lengths + const + cfg.layers * (a * lengths**2 + b * lengths + o)
+        ).tolist(),
         "links": {2: [(n, lat + n / bw) for n in nbytes], 4: [(n, lat + n / bw) for n in nbytes]},
         "wave_seconds": 1e-3,
     }
@@ -67,30 +70,25 @@ def synthetic_raw(cfg, a=2e-9, b=1e-7, k=2e-4, lin=3e-6, const=4e-3, lat=5e-5, b
 
 def test_build_profile_recovers_the_cost_model() -> None:
     cfg = MODELS["tiny"]
+    raw = synthetic_raw(cfg)
     profile = build_profile(
-        "synthetic",
-        cfg,
-        synthetic_raw(cfg),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        command="test",
+        "synthetic", cfg, raw, dtype=torch.float32, device=torch.device("cpu"), command="test"
     )
     assert profile.linear_seconds_per_token == pytest.approx(3e-6, rel=1e-3)
     assert profile.overheads.microbatch_seconds == pytest.approx(4e-3, rel=1e-3)
-    assert profile.attention.step_overhead_seconds == pytest.approx(2e-4, rel=1e-3)
+    assert profile.attention.sequence_overhead_seconds == pytest.approx(2e-4, rel=1e-3)
     assert profile.attention.backward_forward_ratio == pytest.approx(2.5, rel=1e-9)
     link = profile.communication.intra_node
     assert link.latency_seconds == pytest.approx(5e-5, rel=1e-6)
     assert link.bandwidth_bytes_per_second == pytest.approx(2e9, rel=1e-6)
     assert profile.overheads.wave_seconds == 1e-3
-    raw = synthetic_raw(cfg)
-    assert profile.attention.seconds == pytest.approx(raw["attn_fwdbwd"], rel=1e-3)
     assert "max relative error" in " ".join(profile.provenance.notes)
     model = CostModel(profile, ranks_per_node=4)
-    # cp = 1 prediction of a pack of 64-token sequences equals the synthetic machine's time
-    assert model.microbatch_seconds(1, [64] * 8) == pytest.approx(
-        synthetic_raw(cfg)["pack_seconds"][3], rel=1e-3
-    )
+    # every measured pack and single sequence is predicted exactly at CP 1
+    for s, n, t in raw["packs"]:
+        assert model.microbatch_seconds(1, [s] * n) == pytest.approx(t, rel=1e-3)
+    for s, t in zip(raw["single_len"], raw["single_seconds"]):
+        assert model.microbatch_seconds(1, [s]) == pytest.approx(t, rel=1e-3)
 
 
 def test_profile_cli_single_process(tmp_path) -> None:

@@ -49,6 +49,7 @@ class CostModel:
         self.lin = profile.linear_seconds_per_token
         att = profile.attention
         self.k = att.step_overhead_seconds
+        self.per_sequence = att.sequence_overhead_seconds
         self.fwd_fraction = 1.0 / (1.0 + att.backward_forward_ratio)
         comm = profile.communication
         self.kvb = comm.kv_bytes_per_token
@@ -58,7 +59,11 @@ class CostModel:
         self.wave_overhead = profile.overheads.wave_seconds
         if isinstance(att, AttentionTable):
             lengths = np.asarray(att.lengths, dtype=np.float64)
-            net = np.asarray(att.seconds, dtype=np.float64) - att.step_overhead_seconds
+            net = (
+                np.asarray(att.seconds, dtype=np.float64)
+                - att.step_overhead_seconds
+                - att.sequence_overhead_seconds
+            )
             self._log_len = np.log(lengths)
             self._log_net = np.log(net)
             self._len0, self._net0 = lengths[0], net[0]
@@ -78,8 +83,15 @@ class CostModel:
 
     # ------------------------------------------------------------------------------ pieces
     def attention_seconds(self, length: np.ndarray | float) -> np.ndarray:
-        """Net attention fwd+bwd seconds per layer of causal sequences at CP 1 (no step cost)."""
+        """Attention fwd+bwd seconds per layer of causal sequences at CP 1, without the step cost.
+
+        Includes the profile's fixed cost per sequence (kernels that loop over sequences pay it
+        once per sequence in every ring step).
+        """
         x = np.asarray(length, dtype=np.float64)
+        return self._net_attention(x) + self.per_sequence
+
+    def _net_attention(self, x: np.ndarray) -> np.ndarray:
         if self._quad is not None:
             alpha, beta = self._quad
             return alpha * x * x + beta * x

@@ -145,21 +145,23 @@ def measure(
 
     torch.manual_seed(0)
     model = TinyDecoder(cfg).to(device=device, dtype=dtype)
-    out.update(pack_tokens=[], pack_seconds=[], pack_seqlen=64)
-    for n_seqs in (1, 2, 4, 8, 16, 32):
-        seqlens = [64] * n_seqs
-        tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
-        labels = next_token_labels(tokens, seqlens)
-        positions = torch.arange(64, device=device).repeat(n_seqs)
-        layout = make_ring_layout(seqlens=seqlens, cp=1)
+    # Packs of equal short sequences, two lengths: separates work per token from the fixed cost
+    # per sequence (kernels that loop over sequences) and per micro-batch.
+    out["packs"] = []
+    for seqlen, counts in ((64, (1, 2, 4, 8, 16, 32)), (256, (1, 2, 4, 8))):
+        for n_seqs in counts:
+            seqlens = [seqlen] * n_seqs
+            tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
+            labels = next_token_labels(tokens, seqlens)
+            positions = torch.arange(seqlen, device=device).repeat(n_seqs)
+            layout = make_ring_layout(seqlens=seqlens, cp=1)
 
-        def step(tokens=tokens, labels=labels, positions=positions, layout=layout) -> None:
-            model.loss_sum(tokens, labels, positions, layout, kernel="auto").backward()
+            def step(tokens=tokens, labels=labels, positions=positions, layout=layout) -> None:
+                model.loss_sum(tokens, labels, positions, layout, kernel="auto").backward()
 
-        together()
-        out["pack_tokens"].append(sum(seqlens))
-        out["pack_seconds"].append(_median_seconds(step, repeats, sync))
-        log(f"  model fwd+bwd {sum(seqlens):>6} tokens: {out['pack_seconds'][-1] * 1e3:8.3f} ms")
+            together()
+            out["packs"].append((seqlen, n_seqs, _median_seconds(step, repeats, sync)))
+            log(f"  model fwd+bwd {n_seqs:>3} x {seqlen}: {out['packs'][-1][2] * 1e3:8.3f} ms")
 
     # The whole model on one sequence of each length: calibrates the attention table in the
     # code path training uses (module overheads, the loss), not only the bare kernel.
@@ -206,24 +208,28 @@ def measure(
             )
         # The ring's fixed cost per step as training pays it (kernel calls, merges, autograd,
         # P2P set-up): the model on a tiny pack per group size; fitted into the link latency.
-        out["ring_packs"] = {}
+        out["ring_packs"] = []
         for c in sizes:
             group = groups[c][me // c]
-            seqlens = [2 * c * 4] * 4
-            tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
-            labels = next_token_labels(tokens, seqlens)
-            r = me % c
-            layout = make_ring_layout(seqlens=seqlens, cp=c, group=group, rank=me)
-            tok = zigzag_shard(tokens, seqlens=seqlens, cp=c, rank=r)
-            lab = zigzag_shard(labels, seqlens=seqlens, cp=c, rank=r, pad_value=-100)
-            pos = zigzag_positions(seqlens=seqlens, cp=c, rank=r).to(device)
+            for n_seqs in (1, 4):
+                seqlens = [2 * c * 4] * n_seqs
+                tokens = torch.randint(0, cfg.vocab, (sum(seqlens),), generator=gen).to(device)
+                labels = next_token_labels(tokens, seqlens)
+                r = me % c
+                layout = make_ring_layout(seqlens=seqlens, cp=c, group=group, rank=me)
+                tok = zigzag_shard(tokens, seqlens=seqlens, cp=c, rank=r)
+                lab = zigzag_shard(labels, seqlens=seqlens, cp=c, rank=r, pad_value=-100)
+                pos = zigzag_positions(seqlens=seqlens, cp=c, rank=r).to(device)
 
-            def ring_step(tok=tok, lab=lab, pos=pos, layout=layout) -> None:
-                model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
+                def ring_step(tok=tok, lab=lab, pos=pos, layout=layout) -> None:
+                    model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
 
-            together()
-            out["ring_packs"][c] = (seqlens, _median_seconds(ring_step, repeats, sync))
-            log(f"  model on a tiny pack at cp {c}: {out['ring_packs'][c][1] * 1e3:.3f} ms")
+                together()
+                out["ring_packs"].append((c, seqlens, _median_seconds(ring_step, repeats, sync)))
+                log(
+                    f"  model on {n_seqs} tiny sequence(s) at cp {c}: "
+                    f"{out['ring_packs'][-1][2] * 1e3:.3f} ms"
+                )
         statuses: list = [None] * world
 
         def wave_sync() -> None:
@@ -232,15 +238,6 @@ def measure(
         together()
         out["wave_seconds"] = _median_seconds(wave_sync, repeats, sync)
     return out
-
-
-def _gather_max(value: float) -> float:
-    """The slowest rank's value (ranks measured together; a step waits for the slowest)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _model_shape(cfg: TinyConfig, *, dtype_bytes: int) -> dict:
@@ -259,40 +256,31 @@ def _model_shape(cfg: TinyConfig, *, dtype_bytes: int) -> dict:
 
 
 def _calibrate_latency(
-    packs: dict,
+    packs: list,
     cfg: TinyConfig,
+    attention: dict,
     lin: float,
     const: float,
-    lengths: np.ndarray,
-    table: np.ndarray,
-    k: float,
-    ratio: float,
     bandwidth: float,
     floor: float,
 ) -> float:
     """The per-step latency that makes the cost model match the measured tiny ring packs.
 
-    Tiny packs are communication-bound, so each layer's time grows by (2(c-1) + 1) x latency;
-    the mean over group sizes of the latency each pack implies (never below the raw P2P fit).
+    A tiny pack is communication-bound: per layer its time grows by (2(c-1) + 1) x latency; least
+    squares over every (c, pack), never below the raw P2P fit.
     """
     from dyncp.cost_model.model import CostModel
 
-    values = []
-    for c, (seqlens, measured) in packs.items():
+    rows, rhs = [], []
+    for c, seqlens, measured in packs:
         probe = {
             "schema_version": 1,
             "name": "probe",
-            "description": "latency probe",
+            "description": "ring probe",
             "provenance": {"source": "-", "device": "-", "date": "-", "method": "-"},
             "model": _model_shape(cfg, dtype_bytes=4),
             "linear_seconds_per_token": lin,
-            "attention": {
-                "form": "table",
-                "lengths": lengths.tolist(),
-                "seconds": table.tolist(),
-                "step_overhead_seconds": k,
-                "backward_forward_ratio": max(ratio, 1e-3),
-            },
+            "attention": attention,
             "communication": {
                 "kv_bytes_per_token": float(2 * cfg.kv_heads * cfg.head_dim * 4),
                 "intra_node": {"latency_seconds": 0.0, "bandwidth_bytes_per_second": bandwidth},
@@ -300,10 +288,12 @@ def _calibrate_latency(
             },
             "overheads": {"microbatch_seconds": const, "wave_seconds": 0.0},
         }
-        model = CostModel(Profile.model_validate(probe), ranks_per_node=int(c))
-        base = model.microbatch_seconds(int(c), seqlens)
-        values.append((measured - base) / (cfg.layers * (2 * (int(c) - 1) + 1)))
-    return max(floor, float(np.mean(values)))
+        base = CostModel(Profile.model_validate(probe), ranks_per_node=int(c))
+        rest = measured - base.microbatch_seconds(int(c), seqlens)
+        rows.append([cfg.layers * (2 * (c - 1) + 1)])
+        rhs.append(rest)
+    coef, _ = nnls(np.asarray(rows, dtype=float), np.asarray(rhs))
+    return max(floor, float(coef[0]))
 
 
 def build_profile(
@@ -316,25 +306,39 @@ def build_profile(
     a, b, k, attn_err = fit_attention(lengths, fwdbwd)
     k = min(k, 0.99 * float(fwdbwd.min()))  # the schema wants every entry above k
     ratio = float(np.median((fwdbwd - fwd) / fwd))
-    # Linear work: model time minus the attention the table predicts for those packs.
-    seqlen = raw["pack_seqlen"]
-    att_one = float(np.interp(seqlen, lengths, fwdbwd)) - k
-    tokens = np.asarray(raw["pack_tokens"], dtype=float)
-    packs = np.asarray(raw["pack_seconds"])
-    attention = cfg.layers * (tokens / seqlen * att_one + k)
-    per_token, constant, lin_err = fit_linear(tokens, np.maximum(packs - attention, 1e-9))
+    # Packs: t = lin * tokens + layers * n * (kernel(s) + o) + C, kernel(s) = a s^2 + b s from
+    # the bare-kernel fit; least squares for lin (per token), o (per sequence), C (per pack).
+    packs = np.asarray(raw["packs"], dtype=float)
+    s_len, n_seq, t_pack = packs[:, 0], packs[:, 1], packs[:, 2]
+    rest = t_pack - cfg.layers * n_seq * (a * s_len**2 + b * s_len)
+    basis = np.stack([s_len * n_seq, cfg.layers * n_seq, np.ones(len(packs))], 1)
+    coef, _ = nnls(basis / t_pack[:, None], rest / t_pack)
+    per_token, per_sequence, constant = (float(x) for x in coef)
+    lin_err = float(np.max(np.abs(basis @ coef - rest) / t_pack))
+    k = 0.0  # a ring step's own fixed cost is calibrated into the link latency below
     if raw.get("single_len"):
         # Attention per layer as the model sees it: one sequence's time minus linear work and
-        # the micro-batch constant, per layer; kept above the step cost k (the schema's rule).
+        # the micro-batch constant, per layer (it includes the per-sequence cost).
         single = np.asarray(raw["single_seconds"])
         in_model = (single - per_token * np.asarray(raw["single_len"]) - constant) / cfg.layers
-        fwdbwd = np.maximum(in_model, k * 1.01 + 1e-9)
+        fwdbwd = np.maximum(in_model, per_sequence * 1.01 + 1e-9)
+    else:
+        fwdbwd = a * lengths**2 + b * lengths + per_sequence
+    attention_section = {
+        "form": "table",
+        "lengths": lengths.tolist(),
+        "seconds": fwdbwd.tolist(),
+        "step_overhead_seconds": k,
+        "backward_forward_ratio": max(ratio, 1e-3),
+        "sequence_overhead_seconds": per_sequence,
+    }
     links = raw.get("links", {})
     notes = [
         f"attention fwd+bwd fit a*s^2+b*s+k: a={a:.3e} b={b:.3e} k={k:.3e} s, max relative "
         f"error {attn_err:.1%}; the measured table is used",
-        f"linear fit (model fwd+bwd minus table attention): {per_token:.3e} s/token + "
-        f"{constant:.3e} s, max relative error {lin_err:.1%}",
+        f"packs fit (model fwd+bwd minus kernel attention): {per_token:.3e} s/token + "
+        f"{per_sequence:.3e} s per sequence per layer + {constant:.3e} s per micro-batch, max "
+        f"relative error {lin_err:.1%}",
         "attention table: the model's fwd+bwd on one sequence of each length, minus linear "
         "work and the micro-batch constant, per layer (bare-kernel fit kept for k and the ratio)",
     ]
@@ -362,21 +366,11 @@ def build_profile(
         wave = raw.get("wave_seconds", 0.0)
         if raw.get("ring_packs"):
             latency = _calibrate_latency(
-                raw["ring_packs"],
-                cfg,
-                per_token,
-                constant,
-                lengths,
-                fwdbwd,
-                k,
-                ratio,
-                bandwidth,
-                latency,
+                raw["ring_packs"], cfg, attention_section, per_token, constant, bandwidth, latency
             )
             notes.append(
-                f"ring step latency calibrated on the model's tiny packs at cp "
-                f"{sorted(raw['ring_packs'])}: {latency:.3e} s per step (kernel calls, merges, "
-                "autograd and P2P set-up of one ring step)"
+                f"ring step latency calibrated on the model's tiny packs (1 and 4 sequences per CP "
+                f"size): {latency:.3e} s per step (kernel calls, merges, autograd, P2P set-up)"
             )
             inter["latency_seconds"] = latency
     else:
@@ -410,13 +404,7 @@ def build_profile(
         },
         "model": _model_shape(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
         "linear_seconds_per_token": per_token,
-        "attention": {
-            "form": "table",
-            "lengths": lengths.tolist(),
-            "seconds": fwdbwd.tolist(),
-            "step_overhead_seconds": k,
-            "backward_forward_ratio": max(ratio, 1e-3),
-        },
+        "attention": attention_section,
         "communication": {
             "kv_bytes_per_token": float(
                 2 * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -477,11 +465,6 @@ def main(argv: list[str] | None = None) -> None:
         lengths=lengths,
         log=log,
     )
-    for key in ("attn_fwd", "attn_fwdbwd", "pack_seconds"):
-        raw[key] = [_gather_max(x) for x in raw[key]]
-    if "links" in raw:
-        raw["links"] = {c: [(b, _gather_max(s)) for b, s in pts] for c, pts in raw["links"].items()}
-        raw["wave_seconds"] = _gather_max(raw["wave_seconds"])
     command = " ".join(
         ["python -m dyncp.cost_model.profile", *(argv if argv is not None else sys.argv[1:])]
     )

@@ -92,6 +92,9 @@ class AttentionTable(_Strict):
         ge=0, description="fixed kernel cost of one ring step (one varlen call), fwd+bwd"
     )
     backward_forward_ratio: float = Field(gt=0)
+    sequence_overhead_seconds: float = Field(
+        ge=0, default=0.0, description="fixed cost per sequence per ring step, fwd+bwd"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AttentionTable:
@@ -102,10 +105,11 @@ class AttentionTable(_Strict):
             )
         if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
             raise ValueError("attention.lengths must be positive and strictly increasing")
-        if any(t <= self.step_overhead_seconds for t in self.seconds):
+        fixed = self.step_overhead_seconds + self.sequence_overhead_seconds
+        if any(t <= fixed for t in self.seconds):
             raise ValueError(
-                "attention.seconds must all exceed attention.step_overhead_seconds "
-                f"({self.step_overhead_seconds}); the overhead is part of each measurement"
+                "attention.seconds must all exceed attention.step_overhead_seconds + "
+                f"sequence_overhead_seconds ({fixed}); the overheads are part of each measurement"
             )
         return self
 
@@ -118,6 +122,7 @@ class AttentionQuadratic(_Strict):
     beta: float = Field(ge=0)
     step_overhead_seconds: float = Field(ge=0, default=0.0)
     backward_forward_ratio: float = Field(gt=0, default=2.5)
+    sequence_overhead_seconds: float = Field(ge=0, default=0.0)
 
 
 class Link(_Strict):
