@@ -18,6 +18,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
+from strategies import topologies
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -138,21 +139,6 @@ def assert_exactly_once_and_eligible(b: Assignment) -> None:
 
 
 # ----------------------------------------------------------------------------- strategies
-
-
-@st.composite
-def topologies(draw: st.DrawFn) -> Topology:
-    """World 4-16 (12: not a power of two), capacity 64-512 (100: not a power of two), and
-    sometimes a subset of the default group sizes that keeps the largest (so no size-1 slots)."""
-    world = draw(st.sampled_from([4, 8, 12, 16]))
-    rpn = draw(st.sampled_from([2, 4, 8]))
-    capacity = draw(st.sampled_from([64, 100, 128, 256, 512]))
-    default = Topology(world, rpn, capacity).group_sizes
-    sizes: tuple[int, ...] = ()
-    if draw(st.booleans()):
-        subset = draw(st.lists(st.sampled_from(default), unique=True, max_size=len(default)))
-        sizes = tuple(sorted(set(subset) | {default[-1]}))
-    return Topology(world, rpn, capacity, sizes)
 
 
 @st.composite

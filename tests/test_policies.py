@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from strategies import topologies
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -67,22 +68,6 @@ def assert_exactly_once(plan: StepPlan, n: int) -> None:
 
 
 # ----------------------------------------------------------------------------- strategies
-
-
-@st.composite
-def topologies(draw: st.DrawFn, full_world: bool = False) -> Topology:
-    """Small worlds (12: not a power of two), odd and even capacities, and sometimes a subset of
-    the default group sizes that keeps the largest. ``full_world``: the group of all ranks is
-    allowed (megatron's fallback needs it, see test_megatron_when_world_is_not_a_group_size)."""
-    world = draw(st.sampled_from([4, 8, 16] if full_world else [4, 8, 12, 16]))
-    rpn = draw(st.sampled_from([2, 4, 8]))
-    capacity = draw(st.sampled_from([64, 100, 128, 256, 512]))
-    default = Topology(world, rpn, capacity).group_sizes
-    sizes: tuple[int, ...] = ()
-    if draw(st.booleans()):
-        subset = draw(st.lists(st.sampled_from(default), unique=True, max_size=len(default)))
-        sizes = tuple(sorted(set(subset) | {default[-1]}))
-    return Topology(world, rpn, capacity, sizes)
 
 
 @st.composite

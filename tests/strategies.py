@@ -1,0 +1,24 @@
+"""Hypothesis strategies shared by the planner tests."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from dyncp.plan import Topology
+
+
+@st.composite
+def topologies(draw: st.DrawFn, full_world: bool = False) -> Topology:
+    """Small worlds (12: not a power of two), odd and even capacities (100: not a power of two),
+    and sometimes a subset of the default group sizes that keeps the largest (so every length up
+    to the topology's maximum fits). ``full_world``: only worlds whose group of all ranks is an
+    allowed size (megatron's fallback needs it)."""
+    world = draw(st.sampled_from([4, 8, 16] if full_world else [4, 8, 12, 16]))
+    rpn = draw(st.sampled_from([2, 4, 8]))
+    capacity = draw(st.sampled_from([64, 100, 128, 256, 512]))
+    default = Topology(world, rpn, capacity).group_sizes
+    sizes: tuple[int, ...] = ()
+    if draw(st.booleans()):
+        subset = draw(st.lists(st.sampled_from(default), unique=True, max_size=len(default)))
+        sizes = tuple(sorted(set(subset) | {default[-1]}))
+    return Topology(world, rpn, capacity, sizes)
