@@ -15,7 +15,7 @@ import numpy as np
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
 
-__all__ = ["PlanCost", "evaluate_plan"]
+__all__ = ["PlanCost", "evaluate_plan", "time_waves"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,16 @@ def evaluate_plan(plan: StepPlan, model: CostModel) -> PlanCost:
         parts = [flat[mb_starts[j] : ends[j]] for j in sel.tolist()]
         sub_starts = np.cumsum([0] + [len(x) for x in parts[:-1]])
         seconds[sel] = model.packs_seconds(int(cp), np.concatenate(parts), sub_starts)
+    return time_waves(plan, seconds, model.wave_overhead)
+
+
+def time_waves(plan: StepPlan, seconds: np.ndarray, wave_overhead: float) -> PlanCost:
+    """Step and rank times from each micro-batch's seconds, given in plan order.
+
+    A wave lasts as long as its slowest group (the sum of the group's micro-batches) plus the
+    wave overhead; a rank is busy for the micro-batches of its groups. Shared by the prediction
+    and by anything that re-times a plan with other per-micro-batch seconds.
+    """
     busy = np.zeros(plan.topology.world)
     waves = []
     per_mb: list[tuple[float, ...]] = []
@@ -77,6 +87,6 @@ def evaluate_plan(plan: StepPlan, model: CostModel) -> PlanCost:
             j += n
             busy[group.start : group.start + group.size] += t
             slowest = max(slowest, t)
-        waves.append(slowest + model.wave_overhead)
+        waves.append(slowest + wave_overhead)
         per_mb.append(tuple(float(x) for x in seconds[first:j]))
     return PlanCost(float(sum(waves)), tuple(waves), busy, tuple(per_mb))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost
+from dyncp.cost_model.evaluate import PlanCost, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
 from dyncp.planner.planner import Planner
@@ -182,17 +182,10 @@ def synthetic_measurement(
     """
     if not sigma >= 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
-    busy = np.zeros(plan.topology.world)
-    total = 0.0
-    for wave, seconds in zip(plan.waves, cost.microbatch_seconds):
-        factors = np.exp(rng.normal(0.0, sigma, len(seconds))) if sigma else np.ones(len(seconds))
-        measured = np.asarray(seconds) * factors
-        slowest, j = 0.0, 0
-        for group in wave.groups:
-            n = len(group.microbatches)
-            t = float(measured[j : j + n].sum())
-            j += n
-            busy[group.start : group.start + group.size] += t
-            slowest = max(slowest, t)
-        total += slowest + model.wave_overhead
-    return SyntheticMeasurement(total, busy)
+    measured = [
+        np.asarray(seconds) * (np.exp(rng.normal(0.0, sigma, len(seconds))) if sigma else 1.0)
+        for seconds in cost.microbatch_seconds
+    ]
+    flat = np.concatenate(measured) if measured else np.zeros(0)
+    timed = time_waves(plan, flat, model.wave_overhead)
+    return SyntheticMeasurement(timed.step_seconds, timed.rank_busy_seconds)
