@@ -18,7 +18,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
-from strategies import topologies
+from planner_helpers import assert_exactly_once, canonical, topologies
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -68,18 +68,6 @@ def greedy_of(topo: Topology, lengths) -> GreedyConstructor:
     return GreedyConstructor(
         np.asarray(lengths, dtype=np.int64), topo, model_for(topo.ranks_per_node)
     )
-
-
-def canonical(plan: StepPlan) -> str:
-    """The plan's JSON without the wall-clock timings."""
-    data = json.loads(plan.to_json())
-    data["stats"].pop("timings", None)
-    return json.dumps(data, sort_keys=True)
-
-
-def assert_exactly_once(plan: StepPlan, n: int) -> None:
-    ids = [i for _, _, mb in plan.microbatches() for i in mb.seq_ids]
-    assert sorted(ids) == list(range(n))
 
 
 # ----------------------------------------------------------------------------- the CP-SAT model

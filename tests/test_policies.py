@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from strategies import topologies
+from planner_helpers import assert_exactly_once, canonical, topologies
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -53,18 +53,6 @@ def make_planner(topo: Topology, policy: str, **kw) -> Planner:
 
 def seconds(plan: StepPlan) -> float:
     return evaluate_plan(plan, model_for(plan.topology.ranks_per_node)).step_seconds
-
-
-def canonical(plan: StepPlan) -> str:
-    """The plan's JSON without the wall-clock timings."""
-    data = json.loads(plan.to_json())
-    data["stats"].pop("timings", None)
-    return json.dumps(data, sort_keys=True)
-
-
-def assert_exactly_once(plan: StepPlan, n: int) -> None:
-    ids = [i for _, _, mb in plan.microbatches() for i in mb.seq_ids]
-    assert sorted(ids) == list(range(n))
 
 
 # ----------------------------------------------------------------------------- strategies

@@ -1,10 +1,12 @@
-"""Hypothesis strategies shared by the planner tests."""
+"""Helpers shared by the planner tests: a hypothesis topology strategy and plan checks."""
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import strategies as st
 
-from dyncp.plan import Topology
+from dyncp.plan import StepPlan, Topology
 
 
 @st.composite
@@ -22,3 +24,15 @@ def topologies(draw: st.DrawFn, full_world: bool = False) -> Topology:
         subset = draw(st.lists(st.sampled_from(default), unique=True, max_size=len(default)))
         sizes = tuple(sorted(set(subset) | {default[-1]}))
     return Topology(world, rpn, capacity, sizes)
+
+
+def canonical(plan: StepPlan) -> str:
+    """The plan's JSON without the wall-clock timings."""
+    data = json.loads(plan.to_json())
+    data["stats"].pop("timings", None)
+    return json.dumps(data, sort_keys=True)
+
+
+def assert_exactly_once(plan: StepPlan, n: int) -> None:
+    ids = [i for _, _, mb in plan.microbatches() for i in mb.seq_ids]
+    assert sorted(ids) == list(range(n))
