@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
@@ -121,8 +121,8 @@ class Planner:
         return greedy.best(), greedy
 
     def _run_cpsat(
-        self, plan: StepPlan, greedy: GreedyConstructor, start: float, stats: dict
-    ) -> StepPlan:
+        self, plan: StepPlan, cost: PlanCost, greedy: GreedyConstructor, start: float, stats: dict
+    ) -> tuple[StepPlan, PlanCost]:
         assert self.cpsat is not None
         if self.deterministic:
             budget = self.time_limit
@@ -136,7 +136,7 @@ class Planner:
             reason = "empty batch" if len(plan.lengths) == 0 else "not enough time left"
             self.solver_status_counts["SKIPPED"] += 1
             stats["solver"] = {"status": "SKIPPED", "reason": reason}
-            return plan
+            return plan, cost
         assignment, result = self.cpsat.solve(Assignment.from_plan(plan, greedy.costs), budget)
         self.solver_status_counts[result.status.split(":")[0]] += 1
         stats["timings"].update(
@@ -149,7 +149,7 @@ class Planner:
             "variables": result.variables,
         }
         if result.objective_seconds is None:
-            return plan
+            return plan, cost
         try:
             candidate = assignment.to_plan(plan)
         except (ValueError, IndexError) as exc:  # e.g. a sequence in a slot too small for it
@@ -157,10 +157,13 @@ class Planner:
                 "CP-SAT plan rejected (cannot be packed), keeping the previous one: %s", exc
             )
             self.solver_status_counts["REJECTED"] += 1
-            return plan
-        return self._keep_better(plan, candidate, "CP-SAT")
+            return plan, cost
+        return self._keep_better(plan, cost, candidate, "CP-SAT")
 
-    def _keep_better(self, plan: StepPlan, candidate: StepPlan, who: str) -> StepPlan:
+    def _keep_better(
+        self, plan: StepPlan, cost: PlanCost, candidate: StepPlan, who: str
+    ) -> tuple[StepPlan, PlanCost]:
+        """``candidate`` and its cost if it is valid, for this batch, and predicted faster."""
         try:
             if candidate.lengths != plan.lengths or candidate.topology != plan.topology:
                 raise ValueError(f"{who} returned a plan for another batch or topology")
@@ -168,19 +171,18 @@ class Planner:
         except (PlanError, ValueError) as exc:
             log.warning("%s plan rejected, keeping the previous one: %s", who, exc)
             self.solver_status_counts["REJECTED"] += 1
-            return plan
-        old = evaluate_plan(plan, self.model).step_seconds
-        new = evaluate_plan(candidate, self.model).step_seconds
-        return candidate if new < old else plan
+            return plan, cost
+        new = evaluate_plan(candidate, self.model)
+        return (candidate, new) if new.step_seconds < cost.step_seconds else (plan, cost)
 
-    def _run_improver(self, plan: StepPlan) -> StepPlan:
+    def _run_improver(self, plan: StepPlan, cost: PlanCost) -> tuple[StepPlan, PlanCost]:
         assert self.improver is not None
         try:
             candidate = self.improver(plan, self.model)
         except (PlanError, ValueError, RuntimeError) as exc:
             log.warning("improver failed, keeping the constructed plan: %s", exc)
-            return plan
-        return self._keep_better(plan, candidate, "improver")
+            return plan, cost
+        return self._keep_better(plan, cost, candidate, "improver")
 
     # ------------------------------------------------------------------------------ API
     def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
@@ -192,16 +194,15 @@ class Planner:
         plan, greedy = self._construct(lengths)
         construct_seconds = time.perf_counter() - start
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
+        cost = evaluate_plan(plan, self.model)
         if greedy is not None:
-            greedy_seconds = evaluate_plan(plan, self.model).step_seconds
-            stats["greedy_step_seconds"] = greedy_seconds
+            stats["greedy_step_seconds"] = cost.step_seconds
             if self.cpsat is not None:
-                plan = self._run_cpsat(plan, greedy, start, stats)
+                plan, cost = self._run_cpsat(plan, cost, greedy, start, stats)
             if self.improver is not None:
-                plan = self._run_improver(plan)
+                plan, cost = self._run_improver(plan, cost)
         elapsed = time.perf_counter() - start
         plan.validate()
-        cost = evaluate_plan(plan, self.model)
         bound = lower_bound(lengths, self.topology, self.model)
         stats["timings"].update(plan_seconds=elapsed, construct_seconds=construct_seconds)
         plan.stats.update(stats)
