@@ -2,6 +2,7 @@
 
 from dyncp.runtime.executor import (
     MicroBatchContext,
+    MicroBatchTiming,
     RankReport,
     StepFailed,
     execute,
@@ -9,4 +10,12 @@ from dyncp.runtime.executor import (
 )
 from dyncp.runtime.group_pool import GroupPool
 
-__all__ = ["GroupPool", "MicroBatchContext", "RankReport", "StepFailed", "execute", "label_tokens"]
+__all__ = [
+    "GroupPool",
+    "MicroBatchContext",
+    "MicroBatchTiming",
+    "RankReport",
+    "StepFailed",
+    "execute",
+    "label_tokens",
+]

@@ -34,7 +34,14 @@ from dyncp.plan import PlanError, StepPlan
 from dyncp.ring_attention import RingLayout, make_ring_layout, zigzag_positions, zigzag_shard
 from dyncp.runtime.group_pool import GroupPool
 
-__all__ = ["MicroBatchContext", "RankReport", "StepFailed", "execute", "label_tokens"]
+__all__ = [
+    "MicroBatchContext",
+    "MicroBatchTiming",
+    "RankReport",
+    "StepFailed",
+    "execute",
+    "label_tokens",
+]
 
 
 class StepFailed(RuntimeError):
@@ -81,11 +88,25 @@ class MicroBatchContext:
         return zigzag_positions(seqlens=self.seqlens, cp=self.cp, rank=self.rank_in_group)
 
 
+@dataclass(frozen=True, slots=True)
+class MicroBatchTiming:
+    """One micro-batch as this rank ran it: what the cost model needs to check its prediction."""
+
+    wave: int
+    group_start: int
+    cp: int
+    seq_ids: tuple[int, ...]
+    seqlens: tuple[int, ...]
+    seconds: float
+
+
 @dataclass(slots=True)
 class RankReport:
     """Timings of one step on this rank (seconds)."""
 
     microbatches: list[tuple[int, int, float]] = field(default_factory=list)  # (wave, cp, s)
+    timings: list[MicroBatchTiming] = field(default_factory=list)
+    wave_seconds: list[float] = field(default_factory=list)  # wall clock of each wave, sync incl.
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0  # waiting at wave boundaries for the slowest group
     step_seconds: float = 0.0
@@ -146,6 +167,7 @@ def execute(
     report = RankReport()
     step_start = time.perf_counter()
     for w, wave in enumerate(plan.waves):
+        wave_start = time.perf_counter()
         error: str | None = None
         group = next((g for g in wave.groups if g.start <= me < g.start + g.size), None)
         if group is not None:
@@ -177,6 +199,9 @@ def execute(
                     break
                 seconds = time.perf_counter() - t0
                 report.microbatches.append((w, group.size, seconds))
+                report.timings.append(
+                    MicroBatchTiming(w, group.start, group.size, mb.seq_ids, seqlens, seconds)
+                )
                 report.busy_seconds += seconds
         t0 = time.perf_counter()
         statuses: list[str | None] = [None] * pool.world
@@ -188,6 +213,7 @@ def execute(
                 f"{error or 'none'}"
             ) from exc
         report.idle_seconds += time.perf_counter() - t0
+        report.wave_seconds.append(time.perf_counter() - wave_start)
         failed = {pool.ranks[r]: s for r, s in enumerate(statuses) if s is not None}
         if failed:
             first = min(failed)
