@@ -1,17 +1,24 @@
-"""Build ``profiles/h100-reference.json`` from the measured H100 data in ../shared/reference.
+"""Build an H100 reference profile for any decoder shape from the measured data in ../shared.
 
-    python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca
-    python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca --analytic
+    python -m dyncp.cost_model.reference                          # llama3-8b -> h100-reference
+    python -m dyncp.cost_model.reference --model megatron-dcp-gpt # -> profiles/h100-megatron-dcp-gpt
+    python -m dyncp.cost_model.reference --model my-model.json --out profiles/mine.json
+    python -m dyncp.cost_model.reference --analytic               # quadratic fit -> h100-analytic
 
 Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
 
-- ``compute-attn-H100.csv``, rows cp=1, tp=2: causal flash-attention varlen *forward* of one
-  document with 32 query heads, head dim 128 -- the attention shape of a Llama-3-8B layer;
+- ``compute-attn-H100.csv``, rows cp=1: causal flash-attention varlen *forward* of one document,
+  head dim 128, with 64/tp query heads for tp = 1, 2, 4, 8 (64, 32, 16, 8 heads). The builder
+  takes the head count closest to the model's and scales the length-dependent part of the time by
+  ``(heads x head_dim) / (measured heads x 128)`` (attention FLOPs are proportional to it); the
+  fitted fixed cost per call is not scaled;
 - ``nccl_perf.csv``, all_gather on 2/4/8 GPUs in one node: fitted to ``(n-1) * (latency +
   chunk / bandwidth)``, the cost of n-1 ring steps, to get one NVLink ring step's latency and
   bandwidth.
 
-Everything else is a stated assumption, written into the profile's provenance with its source.
+GEMMs are priced from their FLOPs (``DecoderShape.linear_flops_per_token``) at a stated
+throughput. Everything else is a stated assumption, written into the profile's provenance with its
+source; a shape outside what the data covers is named in the profile's notes and on stderr.
 """
 
 from __future__ import annotations
@@ -19,34 +26,51 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
 
-from dyncp.cost_model.schema import Profile
+from dyncp.cost_model.schema import PROFILES_DIR, Profile
+from dyncp.cost_model.shapes import SHAPES, DecoderShape, ShapeError, load_shape
 
-__all__ = ["build_reference_profile"]
+__all__ = [
+    "build_reference_profile",
+    "coverage_warnings",
+    "AttentionFit",
+    "fit_attention",
+    "fit_nvlink",
+    "REFERENCE_SOURCE",
+]
 
-# A Llama-3-8B-like shape (Meta Llama 3 model card: 32 layers, hidden 4096, 32 heads, 8 KV heads,
-# FFN 14336, vocabulary 128256).
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, BYTES = (
-    32,
-    4096,
-    32,
-    8,
-    128,
-    14336,
-    128256,
-    2,
-)
+REFERENCE_SOURCE = "hao-ai-lab/DistCA distca/profiling/data (commit 2afd2192), Apache-2.0"
+DEFAULT_MODEL = "llama3-8b"
 
 BWD_FWD_RATIO = 2.5
 GEMM_FLOPS = 400e12
 INTER_NODE_BW = 40e9
 INTER_NODE_LATENCY = 20e-6
-MICROBATCH_SECONDS = 5e-3
+MICROBATCH_SECONDS_PER_LAYER = 5e-3 / 32
 WAVE_SECONDS = 1e-3
+
+# What the attention table covers: 64/tp query heads at tp = 1, 2, 4, 8, head dim 128, bf16.
+MEASURED_HEADS = {64: "1", 32: "2", 16: "4", 8: "8"}
+MEASURED_HEAD_DIM = 128
+MEASURED_DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionFit:
+    """The measured forward table of one head count and its fit ``a s^2 + b s + k0``."""
+
+    heads: int
+    kv_heads: int
+    lengths: list[int]
+    forward_seconds: list[float]
+    coef: np.ndarray
+    max_relative_error: float
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -54,9 +78,17 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def _fit_attention(src: Path) -> tuple[list[int], list[float], np.ndarray, float]:
-    """Forward table of the 32-head shape and its fit (a, b, k0): fwd = a s^2 + b s + k0."""
-    rows = [r for r in _rows(src / "compute-attn-H100.csv") if r["cp"] == "1" and r["tp"] == "2"]
+def _measured_heads(num_heads: int) -> int:
+    """The measured head count closest to ``num_heads`` (in ratio; ties go to the larger)."""
+    return min(MEASURED_HEADS, key=lambda h: (abs(np.log(h / num_heads)), -h))
+
+
+def fit_attention(src: Path, heads: int) -> AttentionFit:
+    """Forward table of a measured head count and its fit (a, b, k0): fwd = a s^2 + b s + k0."""
+    if heads not in MEASURED_HEADS:
+        raise ValueError(f"heads {heads} not measured; measured: {sorted(MEASURED_HEADS)}")
+    tp = MEASURED_HEADS[heads]
+    rows = [r for r in _rows(src / "compute-attn-H100.csv") if r["cp"] == "1" and r["tp"] == tp]
     lengths = np.array([int(r["L"]) for r in rows])
     fwd = np.array([float(r["duration_per_doc"]) for r in rows]) * 1e-3
     order = np.argsort(lengths)
@@ -66,10 +98,17 @@ def _fit_attention(src: Path) -> tuple[list[int], list[float], np.ndarray, float
     coef, _ = nnls(basis / fwd[:, None], np.ones(len(fwd)))
     coef[2] = min(coef[2], 0.9 * fwd.min())
     rel = np.abs(basis @ coef - fwd) / fwd
-    return lengths.tolist(), fwd.tolist(), coef, float(rel.max())
+    return AttentionFit(
+        heads=heads,
+        kv_heads=max(4 // int(tp), 1),
+        lengths=lengths.tolist(),
+        forward_seconds=fwd.tolist(),
+        coef=coef,
+        max_relative_error=float(rel.max()),
+    )
 
 
-def _fit_nvlink(src: Path) -> tuple[float, float, float]:
+def fit_nvlink(src: Path) -> tuple[float, float, float]:
     """(latency s, bandwidth B/s, max relative error) of one ring step inside a node."""
     rows = [r for r in _rows(src / "nccl_perf.csv") if r["op"] == "all_gather"]
     n = np.array([int(r["ngpu"]) for r in rows], dtype=float)
@@ -81,108 +120,168 @@ def _fit_nvlink(src: Path) -> tuple[float, float, float]:
     return float(coef[0]), float(1.0 / coef[1]), float(rel.max())
 
 
-def build_reference_profile(src: Path, analytic: bool = False) -> Profile:
-    """The reference profile; ``analytic`` swaps the measured table for its quadratic fit."""
-    lengths, fwd, coef, attn_err = _fit_attention(src)
-    k0 = float(coef[2])
-    latency, bandwidth, nccl_err = _fit_nvlink(src)
+def coverage_warnings(shape: DecoderShape) -> list[str]:
+    """What about ``shape`` the measured data does not cover (empty when it is all measured)."""
+    out = []
+    lo, hi = min(MEASURED_HEADS), max(MEASURED_HEADS)
+    if not lo <= shape.num_heads <= hi:
+        out.append(
+            f"num_heads {shape.num_heads} is outside the measured {lo}..{hi} query heads: "
+            "attention time extrapolated in proportion to heads"
+        )
+    elif shape.num_heads not in MEASURED_HEADS:
+        out.append(
+            f"num_heads {shape.num_heads} was not measured (measured: "
+            f"{', '.join(str(h) for h in sorted(MEASURED_HEADS))}): attention time interpolated "
+            "in proportion to heads"
+        )
+    if shape.head_dim != MEASURED_HEAD_DIM:
+        out.append(
+            f"head_dim {shape.head_dim} was not measured (only {MEASURED_HEAD_DIM}): attention "
+            "time scaled in proportion to head_dim, which ignores the kernel's tile efficiency"
+        )
+    if shape.dtype_bytes != MEASURED_DTYPE_BYTES:
+        out.append(
+            f"dtype_bytes {shape.dtype_bytes}: attention was measured in bf16 (2 bytes); "
+            "kernel times are used unchanged, ring traffic uses the model's dtype"
+        )
+    return out
+
+
+def _assumptions(shape: DecoderShape, att: AttentionFit) -> list[dict]:
+    layers = shape.num_layers
+    return [
+        {
+            "name": "attention backward/forward ratio",
+            "value": BWD_FWD_RATIO,
+            "source": "FlashAttention-2 (Dao, 2023): the backward runs 5 matmuls to the "
+            "forward's 2; the DistCA data README gives 2-2.5x",
+        },
+        {
+            "name": f"attention measured with {att.kv_heads} KV heads, model has "
+            f"{shape.num_kv_heads}",
+            "value": "no correction",
+            "source": "flash-attention time is set by query heads at these lengths",
+        },
+        {
+            "name": "sustained GEMM throughput, fwd+bwd (FLOP/s)",
+            "value": GEMM_FLOPS,
+            "source": "40% of the H100 SXM dense BF16 peak of 989 TFLOP/s (NVIDIA H100 "
+            "datasheet); the DistCA MoE MLP table implies ~258 TFLOP/s forward on grouped "
+            "GEMMs, dense GEMMs of an 8B model run faster",
+        },
+        {
+            "name": "linear FLOPs per token",
+            "value": shape.linear_flops_per_token,
+            "source": f"6 x {shape.gemm_params} GEMM parameters ({layers} layers of QKV/O/MLP "
+            "+ head)",
+        },
+        {
+            "name": "inter-node ring step bandwidth (B/s)",
+            "value": INTER_NODE_BW,
+            "source": "DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU = 50 GB/s "
+            "per direction (NVIDIA DGX H100 user guide); 80% assumed achievable",
+        },
+        {
+            "name": "inter-node ring step latency (s)",
+            "value": INTER_NODE_LATENCY,
+            "source": "assumed; a few microseconds of IB latency plus NCCL P2P set-up",
+        },
+        {
+            "name": "per-micro-batch overhead (s)",
+            "value": MICROBATCH_SECONDS_PER_LAYER * layers,
+            "source": f"assumed: 5 ms per 32 layers (launches of ~100 kernels per layer fwd+bwd "
+            f"at ~1.5 us), here {layers} layers",
+        },
+        {
+            "name": "per-wave overhead (s)",
+            "value": WAVE_SECONDS,
+            "source": "assumed: one barrier over the DP x CP ranks and a group switch",
+        },
+    ]
+
+
+def build_reference_profile(
+    src: Path,
+    analytic: bool = False,
+    *,
+    shape: DecoderShape | None = None,
+    name: str | None = None,
+) -> Profile:
+    """The reference profile of ``shape`` (default: the Llama-3-8B-like shape).
+
+    Args:
+        src: folder holding the DistCA CSVs.
+        analytic: swap the measured table for its quadratic fit (no comm/compute overlap).
+        shape: the decoder to price.
+        name: the profile's name (default ``h100-reference`` for the default shape,
+            ``h100-<shape name>`` otherwise; ``h100-analytic`` with ``analytic``).
+    """
+    default = shape is None
+    shape = SHAPES[DEFAULT_MODEL] if shape is None else shape
+    if name is None:
+        name = "h100-reference" if default else f"h100-{shape.name}"
+        if analytic:
+            name = "h100-analytic" if default else f"{name}-analytic"
+    att = fit_attention(src, _measured_heads(shape.num_heads))
+    scale_heads = shape.num_heads * shape.head_dim / (att.heads * MEASURED_HEAD_DIM)
+    k0 = float(att.coef[2])
+    fwd = [k0 + (t - k0) * scale_heads for t in att.forward_seconds]
+    quad = att.coef[:2] * scale_heads
+    latency, bandwidth, nccl_err = fit_nvlink(src)
     scale = 1.0 + BWD_FWD_RATIO
-    per_layer_params = HIDDEN * (2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM) + 3 * HIDDEN * FFN
-    gemm_params = LAYERS * per_layer_params + HIDDEN * VOCAB
-    linear = 6.0 * gemm_params / GEMM_FLOPS
+    tp = MEASURED_HEADS[att.heads]
+    warnings = coverage_warnings(shape)
+    method = "python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca"
+    if not default:
+        method += f" --model {shape.name if shape.name in SHAPES else '<shape json>'}"
+    notes = [
+        f"model shape from: {shape.source}",
+        f"attention fwd fit a*s^2+b*s+k0 ({att.heads} heads): a={att.coef[0]:.3e}, "
+        f"b={att.coef[1]:.3e}, k0={k0:.3e} s (the per-call fixed cost), max relative error "
+        f"{att.max_relative_error:.1%}",
+        f"NVLink ring step fit over all_gather 2/4/8 GPUs: latency {latency:.2e} s, "
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s, max relative error {nccl_err:.1%}",
+        "seconds = measured forward x (1 + backward/forward ratio), per layer",
+    ]
+    if scale_heads != 1.0:
+        notes.append(
+            f"attention: measured {att.heads} heads x {MEASURED_HEAD_DIM} scaled by "
+            f"{scale_heads:.4g} to {shape.num_heads} heads x {shape.head_dim} (fixed cost k0 "
+            "not scaled)"
+        )
+    notes += [f"outside the measured data: {w}" for w in warnings]
     data = {
         "schema_version": 1,
-        "name": "h100-reference",
+        "name": name,
         "description": (
-            "Llama-3-8B-like model (bf16) on H100 SXM nodes of 8 GPUs: attention and NVLink "
+            f"{shape.name} model (bf16) on H100 SXM nodes of 8 GPUs: attention and NVLink "
             "measured on H100 (DistCA data); GEMM throughput, backward ratio, InfiniBand and "
             "overheads assumed (see provenance)."
         ),
         "provenance": {
             "source": (
-                "hao-ai-lab/DistCA distca/profiling/data (commit 2afd2192), Apache-2.0: "
-                "compute-attn-H100.csv rows cp=1 tp=2 (32 query heads, head dim 128, causal "
-                "flash-attention varlen forward), nccl_perf.csv all_gather on 2/4/8 H100 (NVLink)"
+                f"{REFERENCE_SOURCE}: compute-attn-H100.csv rows cp=1 tp={tp} ({att.heads} query "
+                f"heads, head dim {MEASURED_HEAD_DIM}, causal flash-attention varlen forward), "
+                "nccl_perf.csv all_gather on 2/4/8 H100 (NVLink)"
             ),
             "device": "NVIDIA H100 SXM (measured by the DistCA authors)",
             "date": dt.date.today().isoformat(),
-            "method": "python -m dyncp.cost_model.reference --src ../shared/reference/h100-distca",
-            "assumptions": [
-                {
-                    "name": "attention backward/forward ratio",
-                    "value": BWD_FWD_RATIO,
-                    "source": "FlashAttention-2 (Dao, 2023): the backward runs 5 matmuls to the "
-                    "forward's 2; the DistCA data README gives 2-2.5x",
-                },
-                {
-                    "name": "attention measured with 2 KV heads, model has 8",
-                    "value": "no correction",
-                    "source": "flash-attention time is set by query heads at these lengths",
-                },
-                {
-                    "name": "sustained GEMM throughput, fwd+bwd (FLOP/s)",
-                    "value": GEMM_FLOPS,
-                    "source": "40% of the H100 SXM dense BF16 peak of 989 TFLOP/s (NVIDIA H100 "
-                    "datasheet); the DistCA MoE MLP table implies ~258 TFLOP/s forward on grouped "
-                    "GEMMs, dense GEMMs of an 8B model run faster",
-                },
-                {
-                    "name": "linear FLOPs per token",
-                    "value": 6.0 * gemm_params,
-                    "source": f"6 x {gemm_params} GEMM parameters (32 layers of QKV/O/MLP + head)",
-                },
-                {
-                    "name": "inter-node ring step bandwidth (B/s)",
-                    "value": INTER_NODE_BW,
-                    "source": "DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU = 50 GB/s "
-                    "per direction (NVIDIA DGX H100 user guide); 80% assumed achievable",
-                },
-                {
-                    "name": "inter-node ring step latency (s)",
-                    "value": INTER_NODE_LATENCY,
-                    "source": "assumed; a few microseconds of IB latency plus NCCL P2P set-up",
-                },
-                {
-                    "name": "per-micro-batch overhead (s)",
-                    "value": MICROBATCH_SECONDS,
-                    "source": "assumed: launches of ~100 kernels x 32 layers fwd+bwd at ~1.5 us",
-                },
-                {
-                    "name": "per-wave overhead (s)",
-                    "value": WAVE_SECONDS,
-                    "source": "assumed: one barrier over the DP x CP ranks and a group switch",
-                },
-            ],
-            "notes": [
-                f"attention fwd fit a*s^2+b*s+k0: a={coef[0]:.3e}, b={coef[1]:.3e}, "
-                f"k0={k0:.3e} s (the "
-                f"per-call fixed cost), max relative error {attn_err:.1%}",
-                f"NVLink ring step fit over all_gather 2/4/8 GPUs: latency {latency:.2e} s, "
-                f"bandwidth {bandwidth / 1e9:.1f} GB/s, max relative error {nccl_err:.1%}",
-                "seconds = measured forward x (1 + backward/forward ratio), per layer",
-            ],
+            "method": method,
+            "assumptions": _assumptions(shape, att),
+            "notes": notes,
         },
-        "model": {
-            "name": "llama3-8b-like",
-            "num_layers": LAYERS,
-            "hidden_size": HIDDEN,
-            "num_heads": HEADS,
-            "num_kv_heads": KV_HEADS,
-            "head_dim": HEAD_DIM,
-            "ffn_hidden_size": FFN,
-            "vocab_size": VOCAB,
-            "dtype_bytes": BYTES,
-        },
-        "linear_seconds_per_token": linear,
+        "model": shape.profile_model(),
+        "linear_seconds_per_token": shape.linear_flops_per_token / GEMM_FLOPS,
         "attention": {
             "form": "table",
-            "lengths": lengths,
+            "lengths": att.lengths,
             "seconds": [t * scale for t in fwd],
             "step_overhead_seconds": k0 * scale,
             "backward_forward_ratio": BWD_FWD_RATIO,
         },
         "communication": {
-            "kv_bytes_per_token": float(2 * KV_HEADS * HEAD_DIM * BYTES),
+            "kv_bytes_per_token": shape.kv_bytes_per_token,
             "backward_bytes_factor": 2.0,
             "overlap": True,
             "intra_node": {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth},
@@ -191,19 +290,22 @@ def build_reference_profile(src: Path, analytic: bool = False) -> Profile:
                 "bandwidth_bytes_per_second": INTER_NODE_BW,
             },
         },
-        "overheads": {"microbatch_seconds": MICROBATCH_SECONDS, "wave_seconds": WAVE_SECONDS},
+        "overheads": {
+            "microbatch_seconds": MICROBATCH_SECONDS_PER_LAYER * shape.num_layers,
+            "wave_seconds": WAVE_SECONDS,
+        },
     }
     if analytic:
-        data["name"] = "h100-analytic"
         data["description"] = (
-            "The h100-reference profile in analytic form: attention alpha*s^2 + beta*s fitted to "
-            "the measured table, communication not overlapped with compute."
+            f"The {name.removesuffix('-analytic') if not default else 'h100-reference'} profile "
+            "in analytic form: attention alpha*s^2 + beta*s fitted to the measured table, "
+            "communication not overlapped with compute."
         )
         data["provenance"]["method"] += " --analytic"
         data["attention"] = {
             "form": "quadratic",
-            "alpha": float(coef[0]) * scale,
-            "beta": float(coef[1]) * scale,
+            "alpha": float(quad[0]) * scale,
+            "beta": float(quad[1]) * scale,
             "step_overhead_seconds": k0 * scale,
             "backward_forward_ratio": BWD_FWD_RATIO,
         }
@@ -214,19 +316,30 @@ def build_reference_profile(src: Path, analytic: bool = False) -> Profile:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=Path("../shared/reference/h100-distca"))
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"named shape ({', '.join(SHAPES)}) or a JSON file of DecoderShape fields "
+        f"(default {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--name", default=None, help="profile name (default from the model)")
+    parser.add_argument("--out", type=Path, default=None, help="default profiles/<name>.json")
     parser.add_argument(
         "--analytic", action="store_true", help="write the quadratic fit instead of the table"
     )
     args = parser.parse_args(argv)
-    if args.out is None:
-        name = "h100-analytic" if args.analytic else "h100-reference"
-        args.out = Path("profiles") / f"{name}.json"
     if not (args.src / "nccl_perf.csv").exists():
         parser.error(f"--src {args.src} does not hold the DistCA reference CSVs")
-    profile = build_reference_profile(args.src, analytic=args.analytic)
-    args.out.write_text(profile.to_json())
-    print(f"wrote {args.out}")
+    try:
+        shape = None if args.model == DEFAULT_MODEL else load_shape(args.model)
+    except ShapeError as exc:
+        parser.error(f"--model: {exc}")
+    profile = build_reference_profile(args.src, analytic=args.analytic, shape=shape, name=args.name)
+    for warning in coverage_warnings(shape or SHAPES[DEFAULT_MODEL]):
+        print(f"warning: outside the measured data: {warning}", file=sys.stderr)
+    out = args.out or PROFILES_DIR / f"{profile.name}.json"
+    out.write_text(profile.to_json())
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
