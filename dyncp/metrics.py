@@ -63,11 +63,12 @@ __all__ = [
     "SOLVER_STATUSES",
     "FALLBACK_REASONS",
     "MULTIPROC_ENV",
+    "CALIBRATION_STAGES",
 ]
 
 # The planner's policies (dyncp.planner.planner.POLICIES), repeated so that importing the metrics
 # does not import the planner and its solver.
-DEFAULT_POLICIES = ("static", "batch-adaptive", "megatron", "dyncp")
+DEFAULT_POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
 SOURCES = ("predicted", "measured")
 # CP-SAT outcomes plus the planner's own (SKIPPED: no time left, REJECTED: an invalid or worse
 # improvement, ERROR: the solver raised); anything else is counted as OTHER.
@@ -87,6 +88,7 @@ SOLVER_STATUSES = (
 # checks, planning raised.
 FALLBACK_REASONS = ("late", "rejected", "error")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CALIBRATION_STAGES = ("before", "after")
 
 IMBALANCE_BUCKETS = (1.0, 1.005, 1.01, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2.0, 3.0)
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0)
@@ -268,6 +270,37 @@ class Metrics:
             registry=r,
             **last,
         )
+        self.model_version = Gauge(
+            "dyncp_cost_model_version",
+            "Version of the cost model plans are priced with (0: the profile loaded at start).",
+            registry=r,
+            **last,
+        )
+        self.calibration_error = Gauge(
+            "dyncp_cost_model_calibration_error_ratio",
+            "Latest refit: mean |predicted / measured - 1| of the held micro-batch measurements "
+            "under the model before and after the refit.",
+            ("stage",),
+            registry=r,
+            **last,
+        )
+        self.calibration_refits = Counter(
+            "dyncp_cost_model_refits",
+            "Online refits of the cost model, by outcome (adopted, or kept the current model).",
+            ("outcome",),
+            registry=r,
+        )
+        self.calibration_measurements = Gauge(
+            "dyncp_cost_model_calibration_measurements",
+            "Latest refit: micro-batch measurements it was fitted to, and how many were outliers.",
+            ("kind",),
+            registry=r,
+            **last,
+        )
+        for stage in CALIBRATION_STAGES:
+            self.calibration_error.labels(stage)
+        for outcome in ("adopted", "kept"):
+            self.calibration_refits.labels(outcome)
         self.rank_busy: Gauge | None = None
         if rank_label:
             self.rank_busy = Gauge(
@@ -417,6 +450,23 @@ class Metrics:
             error = predicted / seconds - 1.0
             self.relative_error.labels(policy).observe(abs(error))
             self.last_signed_error.labels(policy).set(error)
+
+    def observe_calibration(self, result: Any, *, adopted: bool, version: int) -> None:
+        """Record an online refit (a ``dyncp.cost_model.calibrate.CalibrationResult``).
+
+        Args:
+            result: the refit's result (errors before and after, measurements, outliers).
+            adopted: whether it became the model plans are priced with.
+            version: the model version in use after this refit.
+        """
+        if isinstance(version, bool) or int(version) != version or version < 0:
+            raise ValueError(f"model version must be an integer >= 0, got {version!r}")
+        self.calibration_error.labels("before").set(_finite("error_before", result.error_before))
+        self.calibration_error.labels("after").set(_finite("error_after", result.error_after))
+        self.calibration_refits.labels("adopted" if adopted else "kept").inc()
+        self.calibration_measurements.labels("fitted").set(result.measurements)
+        self.calibration_measurements.labels("outliers").set(result.outliers)
+        self.model_version.set(int(version))
 
     def observe_fallback(self, *, policy: str, reason: str) -> None:
         """A step ran on a fallback plan; ``reason`` is one of ``FALLBACK_REASONS``."""

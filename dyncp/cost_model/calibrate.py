@@ -1,0 +1,433 @@
+"""Refit a profile's coefficients to measured micro-batches: the cost model corrects itself.
+
+A profile is a property of one machine at one time; the runtime measures every micro-batch it
+runs. :func:`fit_profile` turns those measurements into a new :class:`Profile` whose predictions
+match them, keeping the profile's *form* (attention table shape, padding, overlap rule) and
+refitting its *coefficients*:
+
+=========================  ===============================================================
+``lin``                    ``linear_seconds_per_token``
+``att``                    scale of the attention table (or of ``alpha``/``beta``)
+``seq``                    ``attention.sequence_overhead_seconds`` (per sequence per step)
+``step``                   ``attention.step_overhead_seconds`` (per ring step)
+``mb``                     ``overheads.microbatch_seconds``
+``lat_intra, ibw_intra``   intra-node ring step latency and 1 / bandwidth
+``lat_inter, ibw_inter``   the same across nodes
+``wave``                   ``overheads.wave_seconds`` (from wave timings, separately)
+=========================  ===============================================================
+
+The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
+the measurements (features precomputed once), so a fit of a few hundred measurements takes
+milliseconds and predicts exactly what ``CostModel(fit.profile)`` predicts.
+
+Why it cannot be dragged far by bad measurements:
+
+- residuals are relative (``predicted / measured - 1``): a long micro-batch weighs no more than a
+  short one;
+- pass 1 minimises a Cauchy loss (``scipy.optimize.least_squares``, ``f_scale`` 5%): a residual of
+  100% (a garbage-collection pause, a straggler) pulls ~20x less than under squares;
+- then measurements further than ``max(3 x 1.4826 x MAD, 5%)`` from the median residual are
+  dropped as outliers and pass 2 refits the rest with a soft-L1 loss, from pass 1's solution;
+- every coefficient has a weak prior row pulling it to the profile's value, so a coefficient the
+  measurements say nothing about (no CP-4 micro-batch seen yet: no intra-node ring latency to
+  learn) keeps its profiled value instead of wandering;
+- coefficients are bounded at >= 0 and every result is checked finite before a Profile is built.
+
+The fit is deterministic: same profile, same measurements in the same order, same result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.schema import AttentionTable, Profile
+
+__all__ = [
+    "CalibrationError",
+    "CalibrationResult",
+    "Measurement",
+    "MeasurementBuffer",
+    "WaveMeasurement",
+    "fit_profile",
+    "prediction_errors",
+]
+
+#: Names of the coefficients fitted from micro-batches, in parameter-vector order.
+PARAMS = ("lin", "att", "seq", "step", "mb", "lat_intra", "ibw_intra", "lat_inter", "ibw_inter")
+#: Relative residual at which the robust losses start to discount a measurement.
+F_SCALE = 0.05
+#: Weight of each coefficient's prior row: a 100% change of a coefficient costs as much as one
+#: measurement 5% off, so data decide wherever they say anything.
+PRIOR_WEIGHT = 0.05
+#: Largest bandwidth a fit may write (bytes/s): "no measurable transfer cost" stays finite.
+MAX_BANDWIDTH = 1e15
+
+
+class CalibrationError(ValueError):
+    """Measurements that cannot calibrate anything (the message says what is wrong)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One micro-batch as run: its CP size, its sequence lengths and the group's seconds.
+
+    ``seconds`` is the slowest rank of the group (ring ranks finish together; the micro-batch is
+    over when the last one is).
+    """
+
+    cp: int
+    lengths: tuple[int, ...]
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cp, bool) or int(self.cp) != self.cp or self.cp < 1:
+            raise CalibrationError(f"measurement cp must be an integer >= 1, got {self.cp!r}")
+        if not self.lengths or any(int(s) < 1 for s in self.lengths):
+            raise CalibrationError(
+                f"measurement lengths must be a non-empty sequence of integers >= 1, got "
+                f"{self.lengths!r}"
+            )
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise CalibrationError(
+                f"measurement seconds must be finite and > 0, got {self.seconds!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class WaveMeasurement:
+    """One wave as run: its wall-clock seconds and its slowest group's micro-batch seconds.
+
+    The difference is what the wave's synchronisation cost (``overheads.wave_seconds``).
+    """
+
+    seconds: float
+    busy_seconds: float
+
+    def __post_init__(self) -> None:
+        for name in ("seconds", "busy_seconds"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise CalibrationError(f"wave measurement {name} must be finite and >= 0, got {v}")
+
+
+class MeasurementBuffer:
+    """The most recent measurements, bounded: ``per_cp`` micro-batches per CP size, ``waves`` waves.
+
+    Bounded per CP size so that a run dominated by one CP size still remembers the others (the
+    fit needs each size to learn its ring cost), and recent-first so the model follows a machine
+    that changes. Memory is O(per_cp x CP sizes x sequences per micro-batch).
+    """
+
+    def __init__(self, per_cp: int = 256, waves: int = 256) -> None:
+        if per_cp < 1 or waves < 1:
+            raise ValueError(f"per_cp and waves must be >= 1, got {per_cp}, {waves}")
+        self.per_cp = per_cp
+        self._mb: dict[int, deque[Measurement]] = {}
+        self._waves: deque[WaveMeasurement] = deque(maxlen=waves)
+        self.seen = 0  # micro-batch measurements ever added
+
+    def add(self, items: Iterable[Measurement | WaveMeasurement]) -> None:
+        for m in items:
+            if isinstance(m, WaveMeasurement):
+                self._waves.append(m)
+            else:
+                self._mb.setdefault(m.cp, deque(maxlen=self.per_cp)).append(m)
+                self.seen += 1
+
+    def microbatches(self) -> list[Measurement]:
+        """Held micro-batch measurements, by CP size then age (a deterministic order)."""
+        return [m for cp in sorted(self._mb) for m in self._mb[cp]]
+
+    def waves(self) -> list[WaveMeasurement]:
+        return list(self._waves)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._mb.values())
+
+
+# ---------------------------------------------------------------------------------- features
+
+
+@dataclass(frozen=True, slots=True)
+class _Features:
+    """Per-measurement quantities that do not depend on the coefficients being fitted."""
+
+    cp: np.ndarray  # CP size
+    tokens: np.ndarray  # padded tokens per rank
+    attention: np.ndarray  # sum over sequences of the profile's net attention of a block
+    sequences: np.ndarray  # sequences in the micro-batch
+    inter: np.ndarray  # 1.0 where the group crosses a node
+    measured: np.ndarray
+
+
+def _features(model: CostModel, ms: Sequence[Measurement]) -> _Features:
+    cp = np.array([m.cp for m in ms], dtype=np.float64)
+    tokens = np.empty(len(ms))
+    attention = np.empty(len(ms))
+    for i, m in enumerate(ms):
+        p = model.padded(m.cp, np.asarray(m.lengths)).astype(np.float64)
+        tokens[i] = p.sum() / m.cp
+        attention[i] = model._net_attention(p / m.cp).sum()
+    return _Features(
+        cp=cp,
+        tokens=tokens,
+        attention=attention,
+        sequences=np.array([len(m.lengths) for m in ms], dtype=np.float64),
+        inter=(cp > model.ranks_per_node).astype(np.float64),
+        measured=np.array([m.seconds for m in ms], dtype=np.float64),
+    )
+
+
+def _coefficients(model: CostModel) -> np.ndarray:
+    comm = model.profile.communication
+    return np.array(
+        [
+            model.lin,
+            1.0,
+            model.per_sequence,
+            model.k,
+            model.microbatch_overhead,
+            comm.intra_node.latency_seconds,
+            1.0 / comm.intra_node.bandwidth_bytes_per_second,
+            comm.inter_node.latency_seconds,
+            1.0 / comm.inter_node.bandwidth_bytes_per_second,
+        ]
+    )
+
+
+def _predict(theta: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
+    """CostModel._seconds written in the coefficients ``theta`` (same formula, vectorised)."""
+    lin, att, seq, k, mb, lat_a, ibw_a, lat_e, ibw_e = theta
+    layers = model.layers
+    step = att * f.attention + seq * f.sequences + k
+    total = lin * f.tokens + mb
+    lat = np.where(f.inter > 0, lat_e, lat_a)
+    block = model.kvb * f.tokens * np.where(f.inter > 0, ibw_e, ibw_a)
+    comm_f = lat + block
+    bwd = model.bwd_bytes
+    comm_b = lat + bwd * block
+    home = lat + max(bwd - 1.0, 0.0) * block
+    c = f.cp
+    if model.overlap:
+        comp_f = step * model.fwd_fraction
+        ring = (c - 1) * (np.maximum(comp_f, comm_f) + np.maximum(step - comp_f, comm_b))
+        layer = step + ring + home
+    else:
+        layer = c * step + (c - 1) * (comm_f + comm_b) + home
+    layer = np.where(c > 1, layer, step)
+    return total + layers * layer
+
+
+def _scales(theta0: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
+    """Natural magnitude of each coefficient: the value at which its term alone would explain
+    the median measurement. Used to condition the problem and for zero-valued priors."""
+    med = float(np.median(f.measured))
+    L, c = model.layers, f.cp
+    ring = c > 1
+    usage = [
+        np.median(f.tokens),
+        np.median(L * np.where(ring, c, 1.0) * f.attention) / max(theta0[1], 1e-300),
+        np.median(L * np.where(ring, c, 1.0) * f.sequences),
+        np.median(L * np.where(ring, c, 1.0)),
+        1.0,
+        np.median(L * (2 * c - 1)[ring]) if ring.any() else 1.0,
+        np.median((L * c * model.kvb * f.tokens * (1 + model.bwd_bytes))[ring])
+        if ring.any()
+        else 1.0,
+    ]
+    usage += usage[5:7]
+    out = np.array([med / max(float(u), 1e-300) for u in usage])
+    out[1] = 1.0  # the attention scale is already relative
+    return np.where(theta0 > 0, theta0, out)
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationResult:
+    """A fitted profile and how well the old and the new one predict the measurements.
+
+    Errors are mean |predicted / measured - 1| over the inlier micro-batches (outliers are what
+    the fit refused to learn from, so they are not what the model should be judged on).
+    """
+
+    profile: Profile
+    coefficients_before: dict[str, float]
+    coefficients_after: dict[str, float]
+    error_before: float
+    error_after: float
+    measurements: int
+    outliers: int
+    by_cp: dict[int, int] = field(default_factory=dict)
+    wave_measurements: int = 0
+
+
+def prediction_errors(model: CostModel, ms: Sequence[Measurement]) -> np.ndarray:
+    """Relative errors ``predicted / measured - 1`` of ``model`` on ``ms``."""
+    return np.array([model.microbatch_seconds(m.cp, m.lengths) / m.seconds - 1.0 for m in ms])
+
+
+def _solve(
+    f: _Features,
+    model: CostModel,
+    theta0: np.ndarray,
+    scale: np.ndarray,
+    start: np.ndarray,
+    loss: str,
+) -> np.ndarray:
+    x_prior = theta0 / scale
+    prior_norm = np.maximum(x_prior, 1.0)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        pred = _predict(x * scale, f, model)
+        return np.concatenate(
+            [pred / f.measured - 1.0, PRIOR_WEIGHT * (x - x_prior) / prior_norm]
+        )
+
+    lower = np.zeros(len(theta0))
+    lower[1] = 1e-6  # the attention table must stay positive
+    lower[[6, 8]] = 1.0 / MAX_BANDWIDTH / scale[[6, 8]]
+    x0 = np.clip(start / scale, lower, None)
+    x0 = np.where(x0 <= lower, lower * 1.000001 + 1e-12, x0)
+    sol = least_squares(
+        residuals, x0, bounds=(lower, np.inf), loss=loss, f_scale=F_SCALE, method="trf",
+        x_scale=1.0, max_nfev=400,
+    )
+    return sol.x * scale
+
+
+def fit_profile(
+    profile: Profile,
+    measurements: Sequence[Measurement],
+    *,
+    ranks_per_node: int,
+    waves: Sequence[WaveMeasurement] = (),
+    min_measurements: int = 8,
+    source: str = "online calibration",
+) -> CalibrationResult:
+    """Refit ``profile``'s coefficients to ``measurements`` (see the module docstring).
+
+    Args:
+        profile: the model to correct (its form is kept).
+        measurements: micro-batches as run on the machine the model should describe.
+        ranks_per_node: the job's node size (which groups crossed a node).
+        waves: wave timings, to refit ``overheads.wave_seconds`` (kept when empty).
+        min_measurements: fewer than this raise CalibrationError.
+        source: what the measurements came from (goes into the new profile's provenance).
+
+    Raises:
+        CalibrationError: too few measurements.
+    """
+    ms = list(measurements)
+    if len(ms) < min_measurements:
+        raise CalibrationError(
+            f"{len(ms)} micro-batch measurements; calibration needs at least {min_measurements}"
+        )
+    model = CostModel(profile, ranks_per_node)
+    f = _features(model, ms)
+    theta0 = _coefficients(model)
+    scale = _scales(theta0, f, model)
+    first = _solve(f, model, theta0, scale, theta0, "cauchy")
+    r = _predict(first, f, model) / f.measured - 1.0
+    med = float(np.median(r))
+    mad = float(np.median(np.abs(r - med)))
+    keep = np.abs(r - med) <= max(3 * 1.4826 * mad, F_SCALE)
+    fk = _Features(*(getattr(f, n)[keep] for n in _Features.__slots__))
+    theta = _solve(fk, model, theta0, scale, first, "soft_l1")
+    if not np.isfinite(theta).all():  # least_squares keeps iterates finite; this is a guard
+        theta = theta0
+    wave = profile.overheads.wave_seconds
+    if waves:
+        gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
+        wave = float(np.median(gaps))
+    new = _apply(profile, theta, wave)
+    new_model = CostModel(new, ranks_per_node)
+    inliers = [m for m, k in zip(ms, keep) if k]
+    before = float(np.mean(np.abs(prediction_errors(model, inliers))))
+    after = float(np.mean(np.abs(prediction_errors(new_model, inliers))))
+    by_cp: dict[int, int] = {}
+    for m in ms:
+        by_cp[m.cp] = by_cp.get(m.cp, 0) + 1
+    new = _with_provenance(
+        new, profile, source, len(ms), int((~keep).sum()), by_cp, before, after, len(waves)
+    )
+    return CalibrationResult(
+        profile=new,
+        coefficients_before=dict(zip(PARAMS, theta0.tolist())) | {"wave": wave_of(profile)},
+        coefficients_after=dict(zip(PARAMS, theta.tolist())) | {"wave": wave},
+        error_before=before,
+        error_after=after,
+        measurements=len(ms),
+        outliers=int((~keep).sum()),
+        by_cp=by_cp,
+        wave_measurements=len(waves),
+    )
+
+
+def wave_of(profile: Profile) -> float:
+    return profile.overheads.wave_seconds
+
+
+def _apply(profile: Profile, theta: np.ndarray, wave: float) -> Profile:
+    """A copy of ``profile`` with the fitted coefficients written into its fields."""
+    lin, att, seq, k, mb, lat_a, ibw_a, lat_e, ibw_e = (float(v) for v in theta)
+    data = profile.model_dump(mode="json")
+    data["linear_seconds_per_token"] = lin
+    a = data["attention"]
+    old = profile.attention
+    if isinstance(old, AttentionTable):
+        net = np.asarray(old.seconds) - old.step_overhead_seconds - old.sequence_overhead_seconds
+        a["seconds"] = (att * net + k + seq).tolist()
+    else:
+        a["alpha"], a["beta"] = att * old.alpha, att * old.beta
+    a["step_overhead_seconds"], a["sequence_overhead_seconds"] = k, seq
+    comm = data["communication"]
+    comm["intra_node"] = {
+        "latency_seconds": lat_a,
+        "bandwidth_bytes_per_second": min(1.0 / ibw_a, MAX_BANDWIDTH),
+    }
+    comm["inter_node"] = {
+        "latency_seconds": lat_e,
+        "bandwidth_bytes_per_second": min(1.0 / ibw_e, MAX_BANDWIDTH),
+    }
+    data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
+    return Profile.model_validate(data)
+
+
+def _with_provenance(
+    new: Profile,
+    base: Profile,
+    source: str,
+    n: int,
+    outliers: int,
+    by_cp: dict[int, int],
+    before: float,
+    after: float,
+    n_waves: int,
+) -> Profile:
+    data = new.model_dump(mode="json")
+    prov = data["provenance"]
+    mix = ", ".join(f"cp {c}: {k}" for c, k in sorted(by_cp.items()))
+    prov["source"] = f"{base.provenance.source}; calibrated by dyncp.cost_model.calibrate"
+    prov["date"] = date.today().isoformat()
+    prov["method"] = (
+        f"fit_profile: robust refit (Cauchy, then soft-L1 without outliers) of profile "
+        f"{base.name!r} to {n} measured micro-batches ({source})"
+    )
+    prov["notes"] = list(base.provenance.notes) + [
+        f"calibrated from {n} micro-batches ({mix}) and {n_waves} waves; {outliers} outliers "
+        f"dropped; mean |predicted/measured - 1| on the inliers {before:.1%} before, "
+        f"{after:.1%} after"
+    ]
+    if not base.name.endswith("-calibrated"):
+        data["name"] = f"{base.name}-calibrated"
+    return Profile.model_validate(data)

@@ -1,0 +1,118 @@
+"""From what every rank measured to what the cost model can learn from.
+
+    reports = gather_reports(report, pool)                 # collective; the list on rank 0
+    if reports is not None:
+        microbatches, waves = step_measurements(plan, reports)
+
+Each rank times its own micro-batches (``RankReport.timings``). A ring's micro-batch ends when its
+slowest rank ends, so the measurement of a micro-batch is the maximum over its group's ranks; a
+wave's wall clock is the maximum over all ranks, and its slowest group sets the busy part (the
+rest is the wave's synchronisation cost).
+
+:class:`CollectiveCalibration` closes the loop without a plan service: at the end of a step every
+rank calls ``step()``; rank 0 refits (an :class:`~dyncp.calibration.OnlineCalibrator`) and a
+broadcast hands the adopted model version to every rank in the same call, so all ranks switch
+models at the same step boundary and their deterministic planners keep producing one plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from dyncp.calibration import ModelVersion, OnlineCalibrator
+from dyncp.cost_model.calibrate import Measurement, WaveMeasurement
+from dyncp.plan import StepPlan
+from dyncp.runtime.executor import RankReport
+from dyncp.runtime.group_pool import GroupPool
+
+__all__ = ["CollectiveCalibration", "gather_reports", "step_measurements"]
+
+
+def gather_reports(report: RankReport, pool: GroupPool, dst: int = 0) -> list[RankReport] | None:
+    """Every rank's report, in axis order, on axis position ``dst`` (None elsewhere). Collective."""
+    me = pool.position
+    out: list[RankReport] | None = [None] * pool.world if me == dst else None  # type: ignore[list-item]
+    dist.gather_object(report, out, dst=pool.ranks[dst], group=pool.axis_group)
+    return out
+
+
+def step_measurements(
+    plan: StepPlan, reports: Sequence[RankReport]
+) -> tuple[list[Measurement], list[WaveMeasurement]]:
+    """Micro-batch and wave measurements of one executed step (``reports`` in axis order).
+
+    Raises:
+        ValueError: the reports do not match the plan (another step's, or a failed step's).
+    """
+    if len(reports) != plan.topology.world:
+        raise ValueError(f"{len(reports)} reports for a plan of {plan.topology.world} ranks")
+    seconds: dict[tuple[int, int, int], float] = {}
+    lengths: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    for rep in reports:
+        seen: dict[tuple[int, int], int] = {}
+        for t in rep.timings:
+            k = seen.get((t.wave, t.group_start), 0)
+            seen[(t.wave, t.group_start)] = k + 1
+            key = (t.wave, t.group_start, k)
+            seconds[key] = max(seconds.get(key, 0.0), t.seconds)
+            lengths[key] = t.seqlens
+    microbatches: list[Measurement] = []
+    waves: list[WaveMeasurement] = []
+    for w, wave in enumerate(plan.waves):
+        busiest = 0.0
+        for g in wave.groups:
+            group_busy = 0.0
+            for k, mb in enumerate(g.microbatches):
+                key = (w, g.start, k)
+                expect = tuple(plan.lengths[i] for i in mb.seq_ids)
+                if lengths.get(key) != expect:
+                    raise ValueError(
+                        f"wave {w}, group at {g.start}, micro-batch {k}: no timing for it in "
+                        "the reports (a failed step, or reports of another plan)"
+                    )
+                microbatches.append(Measurement(g.size, expect, seconds[key]))
+                group_busy += seconds[key]
+            busiest = max(busiest, group_busy)
+        wall = max(rep.wave_seconds[w] for rep in reports if w < len(rep.wave_seconds))
+        waves.append(WaveMeasurement(wall, min(busiest, wall)))
+    return microbatches, waves
+
+
+class CollectiveCalibration:
+    """Online calibration inside the training loop, kept identical on every rank.
+
+    Args:
+        pool: the job's GroupPool (its DP x CP axis).
+        calibrator: the calibrator; used on axis position 0 only (pass the same construction
+            on every rank, it is cheap).
+        dst: axis position that refits.
+
+    Every rank must call :meth:`step` after every executed step (it is collective).
+    """
+
+    def __init__(self, pool: GroupPool, calibrator: OnlineCalibrator, dst: int = 0) -> None:
+        self.pool = pool
+        self.calibrator = calibrator
+        self.dst = dst
+        self.current: ModelVersion = calibrator.current
+
+    @property
+    def is_fitter(self) -> bool:
+        return self.pool.position == self.dst
+
+    def step(self, plan: StepPlan, report: RankReport) -> ModelVersion | None:
+        """Gather this step's timings, maybe refit; the new version on every rank, or None."""
+        reports = gather_reports(report, self.pool, self.dst)
+        payload: list[str | None] = [None]
+        if reports is not None:
+            mbs, waves = step_measurements(plan, reports)
+            new = self.calibrator.observe(mbs, waves)
+            payload[0] = None if new is None else new.to_json()
+        src = self.pool.ranks[self.dst]
+        dist.broadcast_object_list(payload, src=src, group=self.pool.axis_group)
+        if payload[0] is None:
+            return None
+        self.current = ModelVersion.from_json(payload[0])
+        return self.current
