@@ -71,6 +71,7 @@ class Topology:
     Args:
         world: number of ranks on the DP x CP axis.
         ranks_per_node: ranks sharing a node; groups larger than this cross the node boundary.
+            ``world`` is a multiple of it (whole nodes) or at most it (one node, partly used).
         capacity: tokens per rank one micro-batch may hold (after zigzag padding).
         group_sizes: allowed CP sizes; default every power of two up to ``world``.
     """
@@ -85,6 +86,12 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
+        if self.world > self.ranks_per_node and self.world % self.ranks_per_node:
+            raise ValueError(
+                f"Topology.world={self.world} is not a whole number of nodes of "
+                f"ranks_per_node={self.ranks_per_node}: give a multiple of {self.ranks_per_node} "
+                "(or a single node's ranks, world <= ranks_per_node)"
+            )
         if not self.group_sizes:
             sizes = tuple(
                 1 << k for k in range(self.world.bit_length()) if self.world % (1 << k) == 0
@@ -319,50 +326,146 @@ class StepPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepPlan:
+    def from_dict(cls, data: Any) -> StepPlan:
+        """Decode a plan dict; any value gives a StepPlan or a PlanError (rule ``"decode"``).
+
+        Plans travel through a Store other processes can write, so nothing about ``data`` is
+        trusted: every field's type is checked, integers must lie in ``[0, 2**63)`` and the
+        document may nest at most ``MAX_JSON_DEPTH`` levels. ``validate()`` is not called.
+        """
+        if not isinstance(data, dict):
+            raise PlanError("decode", f"plan JSON must be an object, got {_kind(data)}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"plan schema_version {version!r} not supported (expected 1)")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise PlanError(
+                "decode", f"plan schema_version {version!r} not supported (expected 1)"
+            )
+        if _depth(data) > MAX_JSON_DEPTH:
+            raise PlanError("decode", f"plan JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        t = _field(data, "topology", dict, "plan")
         try:
-            t = data["topology"]
             topo = Topology(
-                int(t["world"]),
-                int(t["ranks_per_node"]),
-                int(t["capacity"]),
-                tuple(int(c) for c in t.get("group_sizes", ())),
+                _int(_field(t, "world", int, "topology"), "topology.world"),
+                _int(_field(t, "ranks_per_node", int, "topology"), "topology.ranks_per_node"),
+                _int(_field(t, "capacity", int, "topology"), "topology.capacity"),
+                tuple(
+                    _int(c, "topology.group_sizes[]")
+                    for c in _list(t.get("group_sizes", []), "topology.group_sizes")
+                ),
             )
-            waves = tuple(
-                Wave(
-                    tuple(
-                        Group(
-                            int(g["start"]),
-                            int(g["size"]),
-                            tuple(
-                                MicroBatch(tuple(int(i) for i in mb)) for mb in g["microbatches"]
-                            ),
-                        )
-                        for g in wave
-                    )
-                )
-                for wave in data["waves"]
-            )
-            sample_ids = data.get("sample_ids")
-            return cls(
-                topology=topo,
-                lengths=tuple(int(s) for s in data["lengths"]),
-                waves=waves,
-                policy=str(data.get("policy", "")),
-                sample_ids=None if sample_ids is None else tuple(int(i) for i in sample_ids),
-                stats=dict(data.get("stats", {})),
-            )
-        except KeyError as exc:
-            raise ValueError(f"plan JSON is missing field {exc.args[0]!r}") from None
-        except (TypeError, AttributeError) as exc:
-            raise ValueError(f"plan JSON is malformed: {exc}") from None
+        except PlanError:
+            raise
+        except ValueError as exc:
+            raise PlanError("decode", str(exc)) from None
+        waves = tuple(
+            Wave(tuple(_group(g, w) for g in _list(wave, f"waves[{w}]")))
+            for w, wave in enumerate(_list(_field(data, "waves", list, "plan"), "waves"))
+        )
+        sample_ids = data.get("sample_ids")
+        policy = data.get("policy", "")
+        if not isinstance(policy, str):
+            raise PlanError("decode", f"plan field 'policy' must be a string, got {_kind(policy)}")
+        stats = data.get("stats", {})
+        if not isinstance(stats, dict):
+            raise PlanError("decode", f"plan field 'stats' must be an object, got {_kind(stats)}")
+        return cls(
+            topology=topo,
+            lengths=tuple(
+                _int(s, "lengths[]")
+                for s in _list(_field(data, "lengths", list, "plan"), "lengths")
+            ),
+            waves=waves,
+            policy=policy,
+            sample_ids=None
+            if sample_ids is None
+            else tuple(_int(i, "sample_ids[]") for i in _list(sample_ids, "sample_ids")),
+            stats=dict(stats),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StepPlan:
+        """Decode plan JSON; any text or bytes give a StepPlan or a PlanError (rule "decode")."""
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError, TypeError) as exc:
+            # ValueError covers bad JSON, bad UTF-8 and integers longer than Python parses.
+            raise PlanError("decode", f"plan is not valid JSON: {_short(exc)}") from None
+        return cls.from_dict(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> StepPlan:
-        return cls.from_dict(json.loads(text))
+
+# --------------------------------------------------------------------------------- decoding helpers
+
+#: Deepest nesting a plan document may have (a valid plan nests 5 levels; stats a few more).
+MAX_JSON_DEPTH = 32
+_INT_LIMIT = 2**63
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number a plan may hold")
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of a decoded JSON value (iterative: no recursion limit to hit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            if level > MAX_JSON_DEPTH:
+                return level
+            todo.extend((v, level + 1) for v in item if isinstance(v, (dict, list)))
+    return deepest
+
+
+def _field(obj: dict, key: str, kind: type, where: str) -> Any:
+    if key not in obj:
+        raise PlanError("decode", f"plan JSON is missing field {key!r} (in {where})")
+    value = obj[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PlanError(
+            "decode", f"{where} field {key!r} must be {kind.__name__}, got {_kind(value)}"
+        )
+    return value
+
+
+def _list(value: object, where: str) -> list:
+    if not isinstance(value, list):
+        raise PlanError("decode", f"plan field {where} must be a list, got {_kind(value)}")
+    return value
+
+
+def _int(value: object, where: str) -> int:
+    if type(value) is not int or not 0 <= value < _INT_LIMIT:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PlanError(
+            "decode", f"plan field {where} must be an integer in [0, 2**63), got {shown}"
+        )
+    return value
+
+
+def _group(g: object, w: int) -> Group:
+    where = f"waves[{w}][]"
+    if not isinstance(g, dict):
+        raise PlanError("decode", f"plan field {where} must be an object, got {_kind(g)}")
+    return Group(
+        _int(_field(g, "start", int, "group"), f"{where}.start"),
+        _int(_field(g, "size", int, "group"), f"{where}.size"),
+        tuple(
+            MicroBatch(tuple(_int(i, f"{where}.microbatches[][]") for i in _list(mb, where)))
+            for mb in _list(_field(g, "microbatches", list, "group"), f"{where}.microbatches")
+        ),
+    )

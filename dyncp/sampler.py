@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dyncp.agreement import agree
 from dyncp.plan import StepPlan, padded_length
 from dyncp.planner.planner import Planner
 from dyncp.ring_attention.sharding import zigzag_positions, zigzag_shard
 from dyncp.service import (
     Fetched,
-    PlanAgreement,
     PlanClient,
     PlanService,
     check_plan,
@@ -578,7 +578,16 @@ class DynamicCPSampler:
         serve: run the plan service in this process (default: rank 0 when a store is given);
             False on every rank when ``python -m dyncp.serve`` runs it.
         deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
-        group: a process group (gloo) on which ranks compare each step's plan digest.
+        secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
+            the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
+        group: a CPU (gloo) process group over all ranks, e.g. ``dist.new_group(backend="gloo")``,
+            used only for this: before the first micro-batch of each step is yielded, every rank
+            compares the step's plan digest with the others' (one blocking all_gather of 24
+            bytes) and, if any differs, every rank raises ``PlanMismatchError`` in that step. The
+            comparison is a rendezvous of the ranks' samplers at each step boundary, so iterate
+            the sampler in step with training: with ``num_workers=0``, or a DataLoader whose
+            prefetching does not make one rank's sampler wait at a step boundary for a rank
+            whose training waits on it (see the README's guarantees).
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
 
     Raises:
@@ -605,6 +614,7 @@ class DynamicCPSampler:
         serve: bool | None = None,
         deadline: float = 1.0,
         late_deadline: float = 0.05,
+        secret: bytes | str | None = None,
         group: ProcessGroup | None = None,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
     ) -> None:
@@ -658,14 +668,20 @@ class DynamicCPSampler:
                 rank=rank,
                 deadline=deadline,
                 late_deadline=late_deadline,
+                secret=secret,
             )
             service = None
             if rank == 0 if serve is None else serve:
                 service = PlanService(
-                    store, source=self.schedule, planner=planner, prefix=prefix, lookahead=lookahead
+                    store,
+                    source=self.schedule,
+                    planner=planner,
+                    prefix=prefix,
+                    lookahead=lookahead,
+                    secret=secret,
                 )
             self._source = _StorePlans(client, service)
-        self._agreement = PlanAgreement(group) if group is not None else None
+        self.group = group
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
         self._position = (0, 0, 0)  # (epoch, step, offset) after the last micro-batch yielded
@@ -711,8 +727,6 @@ class DynamicCPSampler:
         if self._resume is not None:
             start, offset, restored = self._resume.step, self._resume.offset, self._resume.plan
             self._resume = None
-        if self._agreement is not None:
-            self._agreement.poll()
         if start == 0 and offset == 0:
             dropped = self.schedule.dropped(epoch)
             if len(dropped):
@@ -745,8 +759,9 @@ class DynamicCPSampler:
         wait = time.perf_counter() - start
         plan = fetched.plan
         digest = plan_digest(plan)
-        if self._agreement is not None:
-            self._agreement.submit(epoch, step, digest)
+        if self.group is not None:
+            label = f"epoch {epoch} step {step}"
+            agree(self.group, where=(epoch, step), digest=digest, label=label)
         batches = rank_microbatches(
             plan,
             rank=self.rank,
@@ -786,17 +801,7 @@ class DynamicCPSampler:
         while len(self._recent) > RECENT_PLANS:
             self._recent.popitem(last=False)
 
-    # ------------------------------------------------------------------------------ checks
-    def verify_plans(self, timeout: float = 60.0) -> None:
-        """Wait for every outstanding plan comparison (needs ``group``); call at a safe point,
-        e.g. after the epoch, when every rank calls it.
-
-        Raises:
-            PlanMismatchError: ranks executed different plans (names them).
-        """
-        if self._agreement is not None:
-            self._agreement.wait(timeout)
-
+    # ------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Stop the lookahead thread or this rank's plan service."""
         self._source.close()

@@ -10,7 +10,7 @@ Store protocol (keys under ``dyncp/<prefix>/``)::
     cursor              "<epoch> <step>": written by every reader when it starts needing a step
     e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
                         the plan JSON (by the service) or FALLBACK (by a reader whose deadline
-                        passed first)
+                        passed first), sealed with the job's secret (``dyncp.plan_auth``)
 
 Each step key is a one-shot register: the first writer wins and nothing rewrites it, so every rank
 reads the same value however late the plan and however differently the ranks time out. A plan
@@ -19,6 +19,12 @@ The service plans the steps ``cursor .. cursor + lookahead`` (spilling into epoc
 an epoch). Reader rank 0 deletes step keys ``keep_steps`` behind it, so the Store stays bounded
 (what stays: the last ``keep_steps`` keys, and at most ``lookahead`` keys of an epoch + 1 that a
 job never runs).
+
+Anything can be written at these keys by any client of the Store: readers decode every value
+totally (a StepPlan or a PlanError, never a crash), reject unsigned or wrongly signed records when
+the job has a secret, and fall back deterministically, counting why. A cursor that is not two
+non-negative integers is a counted service error; the service keeps serving. When the Store
+itself fails the service thread stops and says why (``PlanService.failure``).
 
 Readers poll ``store.check`` rather than block in ``store.wait(keys, timeout)``: a timed-out wait
 logs C++ warnings on every fallback, and a blocked wait holds the client's connection.
@@ -32,26 +38,23 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
+from dyncp.agreement import PlanMismatchError
 from dyncp.plan import PlanError, StepPlan, Topology
+from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
 from dyncp.planner.planner import Planner
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup, Store
+    from torch.distributed import Store
 
 __all__ = [
     "FALLBACK",
     "BatchSource",
     "Fetched",
-    "PlanAgreement",
     "PlanClient",
     "PlanMismatchError",
     "PlanService",
@@ -64,7 +67,6 @@ __all__ = [
     "step_key",
 ]
 
-FALLBACK = b"FALLBACK"
 #: A cursor this many steps behind the service's is a restarted job, not a lagging rank.
 CURSOR_RESET_STEPS = 64
 
@@ -167,7 +169,8 @@ class ServiceCounters:
 
     published: int = 0  # plans that won their step's register
     late: int = 0  # plans that arrived after a reader had decided to fall back
-    errors: int = 0  # steps whose planning raised (FALLBACK published instead)
+    errors: int = 0  # steps whose planning raised (FALLBACK published instead), bad cursors
+    bad_cursors: int = 0  # cursor values that were not "<epoch> <step>" (ignored)
     plan_seconds_total: float = 0.0
     plan_seconds_max: float = 0.0
     last_error: str = ""
@@ -184,9 +187,15 @@ class PlanService:
         prefix: job namespace of the keys.
         lookahead: steps planned beyond the one readers currently need.
         poll_seconds: how often the cursor is read when there is nothing to plan.
+        secret: the per-job secret that signs each record (default: from the environment,
+            see :class:`dyncp.plan_auth.PlanSigner`); without one a warning says the channel is
+            unauthenticated.
+
+    Attributes:
+        failure: why the service thread stopped on its own (the Store failed), else None.
 
     Raises:
-        ValueError: bad ``prefix`` or ``lookahead``.
+        ValueError: bad ``prefix``, ``lookahead`` or secret.
     """
 
     def __init__(
@@ -198,6 +207,7 @@ class PlanService:
         prefix: str,
         lookahead: int = 2,
         poll_seconds: float = 0.002,
+        secret: bytes | str | None = None,
     ) -> None:
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
@@ -208,6 +218,8 @@ class PlanService:
         self.lookahead = lookahead
         self.poll_seconds = poll_seconds
         self.counters = ServiceCounters()
+        self.signer = PlanSigner.from_env(secret)
+        self.failure: BaseException | None = None
         self._cursor: tuple[int, int] | None = None
         self._done: set[tuple[int, int]] = set()
         self._stop = threading.Event()
@@ -230,14 +242,23 @@ class PlanService:
             self._thread.join(timeout)
             self._thread = None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the service thread is running (False after ``stop()`` or a Store failure)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def run(self) -> None:
-        """The service loop (blocks until ``stop()``)."""
-        while not self._stop.is_set():
-            todo = self._next_target()
-            if todo is None:
-                self._stop.wait(self.poll_seconds)
-            else:
-                self.publish(*todo)
+        """The service loop (blocks until ``stop()``, or until the Store fails: see ``failure``)."""
+        try:
+            while not self._stop.is_set():
+                todo = self._next_target()
+                if todo is None:
+                    self._stop.wait(self.poll_seconds)
+                else:
+                    self.publish(*todo)
+        except Exception as exc:  # the Store (or its connection) failed: nothing left to serve
+            self.failure = exc
+            log.error("plan service stopped: %s", exc)
 
     def _next_target(self) -> tuple[int, int] | None:
         cursor = self._read_cursor()
@@ -251,7 +272,14 @@ class PlanService:
         key = _cursor_key(self.prefix)
         if not self.store.check([key]):
             return self._cursor
-        seen = tuple(int(v) for v in self.store.get(key).split())
+        raw = self.store.get(key)
+        seen = _parse_cursor(raw)
+        if seen is None:
+            self.counters.errors += 1
+            self.counters.bad_cursors += 1
+            self.counters.last_error = f"bad cursor {raw[:40]!r}"
+            log.warning("ignoring cursor %r: expected '<epoch> <step>' (integers >= 0)", raw[:40])
+            return self._cursor
         # Readers differ by a few steps and each writes where it is: follow the furthest one,
         # unless the cursor went far back (a restarted job).
         if self._cursor is None or seen > self._cursor or self._behind(seen) > CURSOR_RESET_STEPS:
@@ -285,8 +313,9 @@ class PlanService:
         seconds = time.perf_counter() - start
         self.counters.plan_seconds_total += seconds
         self.counters.plan_seconds_max = max(self.counters.plan_seconds_max, seconds)
-        offer = FALLBACK if value is None else value
-        won = self.store.compare_set(step_key(self.prefix, epoch, step), "", offer) == offer
+        key = step_key(self.prefix, epoch, step)
+        offer = self.signer.seal(key, FALLBACK if value is None else value)
+        won = self.store.compare_set(key, "", offer) == offer
         if value is None:
             return False
         if won:
@@ -300,6 +329,14 @@ class PlanService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _parse_cursor(raw: bytes) -> tuple[int, int] | None:
+    """(epoch, step) from a cursor value, or None unless it is two integers >= 0."""
+    parts = raw.split()
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 18 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
 
 
 def _clone(store: Store) -> Store:
@@ -335,6 +372,8 @@ class PlanClient:
         late_deadline: the shorter wait used after a step fell back, until a plan arrives in time
             again (so a stopped service costs this much per step, not ``deadline``).
         keep_steps: rank 0 deletes the key of the step this many steps behind it.
+        secret: the per-job secret records must be signed with (default: from the environment);
+            with one, unsigned or wrongly signed records are rejected (fallback, counted).
     """
 
     def __init__(
@@ -348,6 +387,7 @@ class PlanClient:
         deadline: float = 1.0,
         late_deadline: float = 0.05,
         keep_steps: int = 64,
+        secret: bytes | str | None = None,
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
@@ -362,6 +402,7 @@ class PlanClient:
         self.deadline = deadline
         self.late_deadline = late_deadline
         self.keep_steps = keep_steps
+        self.signer = PlanSigner.from_env(secret)
         self._missed = False
         self._consumed: deque[str] = deque()
 
@@ -376,15 +417,16 @@ class PlanClient:
         else:
             value = self._poll(key, self.late_deadline if self._missed else self.deadline)
         if value is None:
-            value = self.store.compare_set(key, "", FALLBACK)
+            value = self.store.compare_set(key, "", self.signer.seal(key, FALLBACK))
         self._forget_old(key)
-        self._missed = value == FALLBACK
-        if self._missed:
-            return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "late", False)
         try:
-            plan = StepPlan.from_json(value.decode())
+            body = self.signer.open(key, value)
+            self._missed = is_fallback(body)
+            if self._missed:
+                return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "late", False)
+            plan = StepPlan.from_json(body)
             check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # PlanError (decoding, signature) or another batch's plan
             log.warning("published plan of epoch %d step %d rejected: %s", epoch, step, exc)
             return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "rejected", ready)
         return Fetched(plan, "service", None, ready)
@@ -413,76 +455,3 @@ class PlanClient:
                 log.info("this Store cannot delete keys; old plans stay in it")
                 self.keep_steps = -1
                 return
-
-
-# ---------------------------------------------------------------------------------- agreement
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks executed different plans for the same step."""
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-
-
-@dataclass(slots=True)
-class _Pending:
-    epoch: int
-    step: int
-    digests: list[torch.Tensor]
-    work: object = field(repr=False)
-
-
-class PlanAgreement:
-    """Compares every step's plan digest across the ranks of ``group`` (one all_gather per step).
-
-    The all_gather is asynchronous and checked when it completes (``poll``), so the check never
-    blocks the data pipeline, which runs ahead of training by a rank-dependent number of
-    micro-batches: a blocking collective there could wait on a rank that is itself waiting in a
-    training collective. Use a dedicated CPU (gloo) group, e.g. ``dist.new_group(backend="gloo")``,
-    so these all_gathers are the only collectives on it.
-
-    Raises:
-        PlanMismatchError: from ``submit``/``poll``/``wait``, naming the ranks whose digest differs
-            from the majority's.
-    """
-
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
-        self.ranks = list(dist.get_process_group_ranks(group))
-        self._pending: deque[_Pending] = deque()
-
-    def submit(self, epoch: int, step: int, digest: int) -> None:
-        mine = torch.tensor([digest], dtype=torch.int64)
-        out = [torch.empty_like(mine) for _ in self.ranks]
-        work = dist.all_gather(out, mine, group=self.group, async_op=True)
-        self._pending.append(_Pending(epoch, step, out, work))
-        self.poll()
-
-    def poll(self) -> None:
-        """Check every completed comparison (in step order); never blocks."""
-        while self._pending and self._pending[0].work.is_completed():
-            self._check(self._pending.popleft())
-
-    def wait(self, timeout: float = 60.0) -> None:
-        """Block until every submitted comparison is checked (call at a safe point)."""
-        while self._pending:
-            pending = self._pending.popleft()
-            pending.work.wait(timedelta(seconds=timeout))
-            self._check(pending)
-
-    def _check(self, pending: _Pending) -> None:
-        digests = [int(t.item()) for t in pending.digests]
-        if len(set(digests)) == 1:
-            return
-        counts = {d: digests.count(d) for d in digests}
-        majority = max(counts, key=lambda d: (counts[d], d == digests[0]))
-        odd = [r for r, d in zip(self.ranks, digests) if d != majority]
-        raise PlanMismatchError(
-            f"epoch {pending.epoch} step {pending.step}: ranks {odd} executed a different plan "
-            f"from the other ranks (digests by rank: "
-            f"{dict(zip(self.ranks, (f'{d & (2**64 - 1):016x}' for d in digests)))}); check "
-            "that every rank has the same lengths, seed, batch size and planner",
-            odd,
-        )

@@ -162,7 +162,7 @@ def test_topology_rejects_bad_integers(field: str, value: object) -> None:
 )
 def test_topology_rejects_bad_group_sizes(world: int, sizes: tuple, bad: int) -> None:
     with pytest.raises(ValueError, match=r"Topology\.group_sizes") as info:
-        Topology(world=world, ranks_per_node=8, capacity=100, group_sizes=sizes)
+        Topology(world=world, ranks_per_node=2, capacity=100, group_sizes=sizes)
     assert f"[{bad}]" in str(info.value)
 
 

@@ -1,0 +1,94 @@
+"""One plan per step, proven before it runs: every rank compares its plan digest with the others'.
+
+The sampler (before the first micro-batch of a step is yielded) and ``runtime.execute`` (before
+the first collective of a step) call :func:`agree` with where they are (e.g. epoch and step) and
+the digest of the plan they are about to run. One synchronous all_gather of a few int64 on a CPU
+(gloo) group compares them; if any rank is elsewhere or holds another plan, every rank raises the
+same :class:`PlanMismatchError`, in that step, naming the ranks and the digests. A rank that never
+arrives makes the others raise :class:`PlanAgreementError` after the group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["PlanAgreementError", "PlanMismatchError", "agree", "format_digest"]
+
+
+class PlanAgreementError(RuntimeError):
+    """The plan comparison itself failed (a rank did not arrive in time, or died)."""
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks were about to run different plans (or different steps) for the same step.
+
+    Attributes:
+        ranks: the ranks that differ from the majority.
+        digests: each rank's digest (in the group's rank order).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int], digests: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.digests = tuple(digests)
+
+
+def format_digest(digest: int) -> str:
+    """A digest as 16 hex digits (the signed int64 read as unsigned)."""
+    return f"{digest & (2**64 - 1):016x}"
+
+
+def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str) -> None:
+    """Raise on every rank of ``group`` unless all hold the same ``where`` and ``digest``.
+
+    Args:
+        group: a CPU (gloo) group over the ranks that must agree.
+        where: this rank's position (e.g. ``(epoch, step)``); ranks at other positions differ.
+        digest: the 64-bit signed digest of the plan this rank is about to run.
+        label: the position in words, for messages (e.g. ``"epoch 0 step 3"``).
+
+    Raises:
+        PlanMismatchError: some rank is at another position or holds another plan.
+        PlanAgreementError: the all_gather failed (a rank did not arrive within the group's
+            timeout, or its process died).
+    """
+    ranks = list(dist.get_process_group_ranks(group))
+    mine = torch.tensor([*where, digest], dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in ranks]
+    try:
+        dist.all_gather(out, mine, group=group)
+    except RuntimeError as exc:
+        raise PlanAgreementError(
+            f"{label}: the plan agreement over ranks {ranks[0]}..{ranks[-1]} failed (a rank did "
+            f"not arrive within the group's timeout or exited): {str(exc).splitlines()[0]}"
+        ) from exc
+    rows = [tuple(int(v) for v in t.tolist()) for t in out]
+    if len(set(rows)) == 1:
+        return
+    counts = {row: rows.count(row) for row in rows}
+    mine_row = rows[ranks.index(dist.get_rank())] if dist.get_rank() in ranks else rows[0]
+    majority = max(counts, key=lambda row: (counts[row], row == rows[0]))
+    odd = [r for r, row in zip(ranks, rows) if row != majority]
+    digests = [row[-1] for row in rows]
+    if any(row[:-1] != majority[:-1] for row in rows):
+        at = {r: row[:-1] for r, row in zip(ranks, rows) if row[:-1] != majority[:-1]}
+        detail = f"ranks {odd} are at positions {at}, the others at {majority[:-1]}"
+    else:
+        detail = f"ranks {odd} hold another plan than the others"
+    shown = sorted({format_digest(d) for d in digests})
+    raise PlanMismatchError(
+        f"{label}: ranks {odd} executed a different plan from the other ranks: {detail} "
+        f"(digests {' vs '.join(shown)}; by rank: "
+        f"{dict(zip(ranks, (format_digest(d) for d in digests)))}; this rank's "
+        f"{format_digest(mine_row[-1])}); check that every rank has the same lengths, seed, "
+        "batch size and planner, and that nobody else writes the job's Store",
+        odd,
+        digests,
+    )

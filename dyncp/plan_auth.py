@@ -1,0 +1,137 @@
+"""Signed plan records: what the plan service writes at a step key, and how readers check it.
+
+The job's Store (torch's TCPStore) accepts any client that reaches its port, with no
+authentication, so anything at a plan key may have been written by someone other than the plan
+service. With a per-job secret (``DYNCP_PLAN_SECRET``, or a file named by
+``DYNCP_PLAN_SECRET_FILE``, both set by the launcher on every process of the job), each record is
+sealed with an HMAC-SHA256 over the key and the body::
+
+    dyncp-hmac-sha256 <64 hex digits> <body>
+
+The key is part of the MAC, so a signed plan cannot be replayed at another step's key. A reader
+with the secret accepts only records that carry a valid MAC for their own key; anything else is a
+:class:`PlanError` (rule ``"signature"``) that the reader counts and answers with the step's
+deterministic fallback. Without a secret, records are the bare bodies and a warning says, once
+per process, that the channel is unauthenticated.
+
+A body is either plan JSON or a fallback record: ``FALLBACK``, optionally followed by a space and
+a short suffix (e.g. ``FALLBACK v3``, the cost-model version the fallback is priced with). The
+suffix is inside the MAC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import warnings
+from pathlib import Path
+
+from dyncp.plan import PlanError
+
+__all__ = [
+    "FALLBACK",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "PlanSigner",
+    "UnauthenticatedPlansWarning",
+    "is_fallback",
+]
+
+FALLBACK = b"FALLBACK"
+SECRET_ENV = "DYNCP_PLAN_SECRET"
+SECRET_FILE_ENV = "DYNCP_PLAN_SECRET_FILE"
+#: Shortest secret accepted: 16 bytes (128 bits), the HMAC key length below which it is weak.
+MIN_SECRET_BYTES = 16
+_TAG = b"dyncp-hmac-sha256 "
+_MAC_HEX = 64
+
+
+class UnauthenticatedPlansWarning(UserWarning):
+    """Plans travel through the Store without a signature (no per-job secret was given)."""
+
+
+def is_fallback(body: bytes) -> bool:
+    """Whether a record body is a fallback decision (``FALLBACK`` or ``FALLBACK <suffix>``)."""
+    return body == FALLBACK or body.startswith(FALLBACK + b" ")
+
+
+class PlanSigner:
+    """Seals and opens the records at plan keys with the job's secret (or none).
+
+    Args:
+        secret: the per-job secret; None reads it from the environment (see :meth:`from_env`).
+
+    Raises:
+        ValueError: a secret shorter than 16 bytes, or an unreadable secret file.
+    """
+
+    def __init__(self, secret: bytes | str | None) -> None:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"the plan secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
+                "(e.g. 32 random bytes from the launcher)"
+            )
+        self._secret = secret
+
+    @classmethod
+    def from_env(cls, secret: bytes | str | None = None) -> PlanSigner:
+        """The given secret, else ``$DYNCP_PLAN_SECRET``, else the file ``$DYNCP_PLAN_SECRET_FILE``.
+
+        Without any, the signer is unauthenticated and a warning says so (once per process).
+        """
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or None
+        if secret is None and os.environ.get(SECRET_FILE_ENV):
+            path = Path(os.environ[SECRET_FILE_ENV])
+            try:
+                secret = path.read_bytes().strip()
+            except OSError as exc:
+                raise ValueError(
+                    f"{SECRET_FILE_ENV}={path}: cannot read the plan secret ({exc.strerror})"
+                ) from None
+        if secret is None:
+            warnings.warn(
+                "dyncp plans travel through the job's Store UNAUTHENTICATED: any process that "
+                f"reaches the Store's port can replace them. Set {SECRET_ENV} (or "
+                f"{SECRET_FILE_ENV}) to the same secret on every process of the job.",
+                UnauthenticatedPlansWarning,
+                stacklevel=2,
+            )
+        return cls(secret)
+
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
+
+    def _mac(self, key: str, body: bytes) -> bytes:
+        assert self._secret is not None
+        msg = key.encode() + b"\0" + body
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, body: bytes) -> bytes:
+        """The record to store at ``key`` (deterministic: every rank seals the same bytes)."""
+        if self._secret is None:
+            return body
+        return _TAG + self._mac(key, body) + b" " + body
+
+    def open(self, key: str, record: bytes) -> bytes:
+        """The body of the record found at ``key``.
+
+        Raises:
+            PlanError: (rule ``"signature"``) with a secret: the record is unsigned, malformed,
+                or its MAC does not match this key and body.
+        """
+        if self._secret is None:
+            if record.startswith(_TAG):  # signed by a service that has a secret; cannot check
+                return record[len(_TAG) + _MAC_HEX + 1 :]
+            return record
+        if not record.startswith(_TAG) or len(record) < len(_TAG) + _MAC_HEX + 1:
+            raise PlanError("signature", f"the record at {key} is not signed")
+        mac = record[len(_TAG) : len(_TAG) + _MAC_HEX]
+        body = record[len(_TAG) + _MAC_HEX + 1 :]
+        if not hmac.compare_digest(mac, self._mac(key, body)):
+            raise PlanError("signature", f"the record at {key} has a wrong signature")
+        return body
