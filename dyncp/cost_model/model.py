@@ -15,7 +15,19 @@ step for the whole pack; short blocks thus pay their real inefficiency (A is mea
 
 A ring step moves the KV block of the local tokens (kv_bytes_per_token * sum(p_i)/c); the backward
 also moves dK/dV. With overlap, a step costs max(compute, transfer); without, their sum. Groups
-larger than ``ranks_per_node`` cross the node boundary and use the inter-node link (the cliff).
+larger than ``ranks_per_node`` cross the node boundary and use the inter-node link (the cliff),
+unless the profile lists a link per group size (``communication.links``).
+
+An all-to-all group (``communication.kind = "all_to_all"``) instead runs, per layer, the whole of
+each sequence for 1/c of the heads plus one exchange that is never hidden::
+
+    attention    layers * (sum_i A(p_i) / c + k)
+    a2a comm     layers * (latency + kv_bytes_per_token * sum(p_i) / (c * bandwidth))   c > 1
+
+``p_i`` is s_i padded as the profile says (``padding.multiple_per_rank``; memory always uses the
+plan contract's zigzag padding). The protocol the planner, bound and simulator rely on, including
+the additive lower-bound split ``fixed_seconds`` + ``bound_rank_seconds``, is in
+``dyncp.cost_model.protocol``.
 
 Planner, cost model and simulator import no torch; everything here is numpy.
 """
@@ -55,6 +67,9 @@ class CostModel:
         self.kvb = comm.kv_bytes_per_token
         self.bwd_bytes = comm.backward_bytes_factor
         self.overlap = comm.overlap
+        self.all_to_all = comm.kind == "all_to_all"
+        self._links = {link.group_size: link for link in comm.links}
+        self.pad_multiple = profile.padding.multiple_per_rank
         self.microbatch_overhead = profile.overheads.microbatch_seconds
         self.wave_overhead = profile.overheads.wave_seconds
         if isinstance(att, AttentionTable):
@@ -101,27 +116,57 @@ class CostModel:
         return np.where(x < self._len0, below, np.where(x > self._len1, above, inside))
 
     def link(self, cp: int) -> tuple[float, float]:
-        """(latency, bandwidth) of one ring step of a group of ``cp`` ranks."""
+        """(latency, bandwidth) of one transfer in a group of ``cp`` ranks.
+
+        From ``communication.links`` when the profile lists them (the entry of that size, else of
+        the next larger size listed: never an optimistic guess), else intra- or inter-node.
+        """
         comm = self.profile.communication
-        link = comm.intra_node if cp <= self.ranks_per_node else comm.inter_node
+        if self._links:
+            size = next((s for s in sorted(self._links) if s >= cp), None)
+            if size is None:
+                raise ValueError(
+                    f"profile {self.name!r} lists links for group sizes {sorted(self._links)}; "
+                    f"none covers a group of {cp} ranks"
+                )
+            link = self._links[size]
+        else:
+            link = comm.intra_node if cp <= self.ranks_per_node else comm.inter_node
         return link.latency_seconds, link.bandwidth_bytes_per_second
 
     @staticmethod
     def padded(cp: int, lengths: np.ndarray) -> np.ndarray:
+        """Memory footprint of each sequence in a group of ``cp`` (the plan contract's padding)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if cp == 1:
             return lengths
         unit = 2 * cp
         return -(-lengths // unit) * unit
 
+    def priced(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        """Tokens each sequence is priced at in a group of ``cp`` (the profile's padding)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if cp == 1 or self.pad_multiple == 0:
+            return lengths
+        unit = self.pad_multiple * cp
+        return -(-lengths // unit) * unit
+
+    def _sequence_attention(self, cp: int, p: np.ndarray) -> np.ndarray:
+        """Per sequence: A(p/c) (one ring step's block) or A(p)/c (all-to-all: 1/c of heads)."""
+        if self.all_to_all:
+            return self.attention_seconds(p) / cp
+        return self.attention_seconds(p / cp)
+
     def _seconds(self, cp: int, tokens: np.ndarray, step_attention: np.ndarray) -> np.ndarray:
-        """Micro-batch seconds given padded tokens and the per-step attention (sum of A(p/c))."""
+        """Micro-batch seconds given priced tokens and the summed ``_sequence_attention``."""
         step = step_attention + self.k
         total = self.lin * tokens / cp + self.microbatch_overhead
         if cp == 1:
             return total + self.layers * step
         latency, bandwidth = self.link(cp)
         block = self.kvb * tokens / cp / bandwidth
+        if self.all_to_all:
+            return total + self.layers * (step + latency + block)
         comm_f = latency + block
         comm_b = latency + self.bwd_bytes * block
         home = latency + max(self.bwd_bytes - 1.0, 0.0) * block  # dK/dV back to their owner
@@ -137,11 +182,11 @@ class CostModel:
     # ------------------------------------------------------------------------------ public API
     def microbatch_seconds(self, cp: int, lengths: Sequence[int] | np.ndarray) -> float:
         """Predicted seconds of one forward+backward of ``lengths`` packed at CP size ``cp``."""
-        p = self.padded(cp, np.asarray(lengths))
+        p = self.priced(cp, np.asarray(lengths))
         if p.size == 0:
             return 0.0
         tokens = np.float64(p.sum())
-        step_att = np.float64(self.attention_seconds(p / cp).sum())
+        step_att = np.float64(self._sequence_attention(cp, p).sum())
         return float(self._seconds(cp, tokens, step_att))
 
     def packs_seconds(self, cp: int, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -150,9 +195,9 @@ class CostModel:
         ``lengths`` concatenates the packs; ``starts`` holds each pack's first index (non-empty
         packs, increasing).
         """
-        p = self.padded(cp, lengths).astype(np.float64)
+        p = self.priced(cp, lengths).astype(np.float64)
         tokens = np.add.reduceat(p, starts)
-        step_att = np.add.reduceat(self.attention_seconds(p / cp), starts)
+        step_att = np.add.reduceat(self._sequence_attention(cp, p), starts)
         return self._seconds(cp, tokens, step_att)
 
     def memory_tokens(self, cp: int, lengths: Sequence[int] | np.ndarray) -> int:
@@ -162,8 +207,8 @@ class CostModel:
 
     def alone_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
         """Seconds of each sequence as its own micro-batch at CP size ``cp`` (vectorised)."""
-        p = self.padded(cp, lengths).astype(np.float64)
-        return self._seconds(cp, p, self.attention_seconds(p / cp))
+        p = self.priced(cp, lengths).astype(np.float64)
+        return self._seconds(cp, p, self._sequence_attention(cp, p))
 
     def marginal_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
         """Additive estimate of what each sequence adds to a micro-batch at CP ``cp``.
@@ -172,8 +217,13 @@ class CostModel:
         per-micro-batch and per-step constants are excluded (they are shared by the pack).
         Used by planners for balancing; plans are always priced with microbatch_seconds.
         """
-        p = self.padded(cp, lengths).astype(np.float64)
-        att = self.attention_seconds(p / cp)
+        p = self.priced(cp, lengths).astype(np.float64)
+        att = self._sequence_attention(cp, p)
+        if self.all_to_all:
+            out = self.lin * p / cp + self.layers * att
+            if cp > 1:
+                out = out + self.layers * self.kvb * p / cp / self.link(cp)[1]
+            return out
         out = self.lin * p / cp + self.layers * cp * att
         if cp > 1:
             _, bandwidth = self.link(cp)
@@ -192,5 +242,39 @@ class CostModel:
 
         Linear plus attention work only (no communication, no shared constants), times cp ranks.
         """
-        p = self.padded(cp, lengths).astype(np.float64)
-        return self.lin * p + self.layers * cp * cp * self.attention_seconds(p / cp)
+        p = self.priced(cp, lengths).astype(np.float64)
+        steps = 1 if self.all_to_all else cp
+        return self.lin * p + self.layers * cp * steps * self._sequence_attention(cp, p)
+
+    def fixed_seconds(self, cp: int) -> float:
+        """Seconds every micro-batch at CP size ``cp`` pays whatever it holds (see below)."""
+        fixed = self.k if (cp == 1 or self.all_to_all) else cp * self.k
+        if cp > 1:
+            latency, _ = self.link(cp)
+            fixed += latency if (self.all_to_all or self.overlap) else (2 * cp - 1) * latency
+        return self.microbatch_overhead + self.layers * fixed
+
+    def bound_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        """Additive lower bound of each sequence's rank-seconds in any micro-batch at CP ``cp``.
+
+        For every pack S at size c: ``microbatch_seconds(c, S) >= fixed_seconds(c) +
+        sum(bound_rank_seconds(c, S)) / c``, with equality when communication is not
+        overlapped (all-to-all, or a ring without overlap: every term is then a sum over
+        sequences plus constants). With overlap a ring step costs max(compute, transfer) >=
+        compute, so the bound keeps the compute of all c steps, the dK/dV return hop and the
+        latencies (the ``home`` hop is never hidden).
+        """
+        p = self.priced(cp, lengths).astype(np.float64)
+        out = self.work_rank_seconds(cp, lengths)
+        if cp == 1:
+            return out
+        block = self.kvb * p / cp / self.link(cp)[1]
+        if self.all_to_all:
+            per_rank = block
+        elif self.overlap:
+            per_rank = max(self.bwd_bytes - 1.0, 0.0) * block
+        else:
+            per_rank = (cp - 1) * (1.0 + self.bwd_bytes) * block + max(
+                self.bwd_bytes - 1.0, 0.0
+            ) * block
+        return out + cp * self.layers * per_rank

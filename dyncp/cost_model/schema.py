@@ -12,13 +12,36 @@ Two attention forms share one schema:
 - ``quadratic``: ``alpha * s**2 + beta * s`` seconds, coefficients given directly, so published
   analytic cost models plug in without measurements.
 
-At CP size c a rank runs c ring steps over p/c local tokens, so attention costs it
-``alpha * s^2 / c + beta * s`` (``beta`` is a per-step, per-query-token cost), while
-``linear_seconds_per_token`` is divided by c. A published model of the form
-``(alpha s^2 + beta s) / c + bytes / bandwidth(c) + const`` therefore maps to: attention
-``alpha`` with ``beta = 0``, ``linear_seconds_per_token = beta``, ``communication.overlap = false``
-(bytes per token in ``kv_bytes_per_token``, links by node) and ``overheads.microbatch_seconds =
-const``.
+At CP size c a ring (``communication.kind = "ring"``, the default) runs c steps over p/c local
+tokens, so attention costs a rank ``alpha * s^2 / c + beta * s`` (``beta`` is a per-step,
+per-query-token cost); an all-to-all group (``"all_to_all"``: heads are exchanged, every rank runs
+the whole sequence for 1/c of the heads) costs ``A(s) / c``. ``linear_seconds_per_token`` is
+divided by c either way.
+
+Communication per group size: ``communication.links`` optionally lists one (latency, bandwidth)
+per group size, so a measured table (a bandwidth per SP size, the cliff wherever it really is)
+replaces the two-link ``intra_node`` / ``inter_node`` default. A ring overlaps its transfers with
+compute when ``overlap`` is true; an all-to-all is always added without overlap.
+
+Padding: ``padding.multiple_per_rank`` (default 2: zigzag, a multiple of 2c) sets how each
+sequence is padded when the model *prices* a micro-batch at c > 1; 0 prices unpadded tokens, as
+published analytic models do. Memory is the plan contract's rule (``dyncp.plan.padded_length``)
+whatever the profile says.
+
+Published forms as profiles (each bundled, each checked against its formula in the tests):
+
+- Megatron's ``sum(L^2) / cp`` (the workload its dynamic-CP packing balances):
+  ``profiles/published-megatron.json``;
+- FlexSP-style ``sum(a1 L^2 + a2 L) / s + beta + [s > 1] V sum(L) / (s bw[s])``: attention
+  ``quadratic`` with ``alpha = a1 / layers``, ``beta = 0``; ``linear_seconds_per_token = a2``;
+  ``overheads.microbatch_seconds = beta``; ``communication.kind = "all_to_all"`` with
+  ``kv_bytes_per_token = V / layers`` and ``links`` holding ``bw[s]`` (latency 0);
+  ``padding.multiple_per_rank = 0``: ``profiles/published-flexsp.json``;
+- WLB-LLM's ``(W_a sum(L^2) + W_l sum(L)) / cp`` (attention quadratic in each document, linear
+  work in tokens, split evenly by per-document CP sharding): ``profiles/published-wlbllm.json``.
+
+What the planner, the bound and the simulator call on a cost model is listed in
+``dyncp.cost_model.protocol``.
 """
 
 from __future__ import annotations
@@ -132,8 +155,15 @@ class Link(_Strict):
     bandwidth_bytes_per_second: float = Field(gt=0)
 
 
+class GroupLink(Link):
+    """The link of groups of exactly ``group_size`` ranks."""
+
+    group_size: int = Field(ge=2)
+
+
 class Communication(_Strict):
-    """Ring attention traffic: each step moves the KV block; the backward also moves dK/dV."""
+    """CP traffic. Ring: each step moves the KV block, the backward also moves dK/dV.
+    All-to-all: per layer, ``kv_bytes_per_token`` x tokens / c bytes per rank, never overlapped."""
 
     kv_bytes_per_token: float = Field(
         ge=0, description="bytes of K and V per token per layer (2 * kv_heads * head_dim * dtype)"
@@ -144,6 +174,28 @@ class Communication(_Strict):
     )
     intra_node: Link
     inter_node: Link
+    kind: Literal["ring", "all_to_all"] = Field(
+        default="ring", description="ring attention (KV blocks) or all-to-all of heads (Ulysses)"
+    )
+    links: list[GroupLink] = Field(
+        default=[],
+        description="per group size; when given, used instead of intra_node / inter_node",
+    )
+
+    @model_validator(mode="after")
+    def _check_links(self) -> Communication:
+        sizes = [link.group_size for link in self.links]
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError("communication.links must be sorted by strictly increasing group_size")
+        return self
+
+
+class Padding(_Strict):
+    """How a sequence is padded when a micro-batch is priced at CP size c > 1."""
+
+    multiple_per_rank: int = Field(
+        default=2, ge=0, description="pad to a multiple of this x c tokens (2: zigzag); 0: none"
+    )
 
 
 class Overheads(_Strict):
@@ -165,6 +217,7 @@ class Profile(_Strict):
     attention: Annotated[AttentionTable | AttentionQuadratic, Field(discriminator="form")]
     communication: Communication
     overheads: Overheads
+    padding: Padding = Padding()
 
     @classmethod
     def from_json(cls, text: str, origin: str = "<string>") -> Profile:
