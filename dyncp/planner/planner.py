@@ -33,13 +33,14 @@ from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
 from dyncp.planner.bound import lower_bound
 from dyncp.planner.cpsat import CpSatImprover
+from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
 __all__ = ["Planner", "POLICIES", "Improver"]
 
-POLICIES = ("static", "batch-adaptive", "megatron", "dyncp")
+POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
 
 Improver = Callable[[StepPlan, CostModel], StepPlan]
 
@@ -102,14 +103,17 @@ class Planner:
         self.improver = improver
         self.solver_status_counts: Counter[str] = Counter()
         self.static_cp: int | None = None
-        if policy == "static":
+        if policy in ("static", "dp-balanced"):
             if max_length is None:
-                raise ValueError("policy 'static' needs max_length (the longest admitted document)")
+                raise ValueError(f"policy {policy!r} needs max_length (longest admitted document)")
             self.static_cp = static_cp_size(max_length, self.topology)
 
     # ------------------------------------------------------------------------------ stages
     def _construct(self, lengths: np.ndarray) -> tuple[StepPlan, GreedyConstructor | None]:
         topo, model = self.topology, self.model
+        if self.policy == "dp-balanced":
+            assert self.static_cp is not None
+            return dp_balanced_plan(lengths, topo, self.static_cp), None
         if self.policy == "static":
             assert self.static_cp is not None
             return fixed_cp_plan(lengths, topo, model, self.static_cp), None
