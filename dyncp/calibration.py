@@ -215,6 +215,7 @@ class OnlineCalibrator:
         self.current = ModelVersion(0, profile)
         self.history: list[tuple[CalibrationResult, bool]] = []
         self.rejected = 0
+        self.refits = 0  # refits tried (history keeps the last 64 of them)
         self._since_fit = 0
 
     @property
@@ -257,6 +258,7 @@ class OnlineCalibrator:
         except CalibrationError:
             return None
         adopted = result.error_after <= result.error_before - self.min_gain
+        self.refits += 1
         self.history = [*self.history[-63:], (result, adopted)]
         if not adopted:
             return None

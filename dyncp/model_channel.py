@@ -19,6 +19,9 @@ version a reader learns from ``latest`` can be fetched by every rank. A fallback
 the version it was priced with (``FALLBACK v<k>``: see ``dyncp.service``), and every rank reads
 that same decision, fetches that same version and computes the same plan.
 
+Signed like the plans (``dyncp.plan_auth``): with the job's secret every record and version is
+sealed with an HMAC over its key, and a reader refuses anything else (counted in ``rejected``).
+
 Bounded: the pusher deletes records ``max_pending`` behind its newest (a service that is not
 draining costs at most that many keys); the service deletes what it drained, and versions older
 than ``keep_versions`` behind the newest. Malformed records or versions (the Store is writable by
@@ -29,17 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dyncp.calibration import ModelVersion, OnlineCalibrator, encode_measurements
+from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner, encode_measurements
 from dyncp.cost_model.calibrate import Measurement, WaveMeasurement
 from dyncp.cost_model.schema import ProfileError
+from dyncp.plan import PlanError
+from dyncp.plan_auth import PlanSigner
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-__all__ = ["MeasurementChannel", "ModelChannel"]
+__all__ = ["MeasurementChannel", "ModelChannel", "ServiceCalibration"]
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +63,20 @@ class ModelChannel:
         store: the job's Store.
         prefix: job namespace (the samplers' ``prefix``).
         keep_versions: older versions than this many behind the newest are deleted.
+        signer: seals and opens the records (default: the job's secret from the environment).
     """
 
-    def __init__(self, store: Store, prefix: str, keep_versions: int = 8) -> None:
+    def __init__(
+        self,
+        store: Store,
+        prefix: str,
+        keep_versions: int = 8,
+        signer: PlanSigner | None = None,
+    ) -> None:
         self.store = store
         self.prefix = prefix
         self.keep_versions = keep_versions
+        self.signer = signer or PlanSigner.from_env()
         self.rejected = 0
         self._cache: dict[int, ModelVersion] = {}
         self._latest_key = _key(prefix, "model", "latest")
@@ -73,8 +87,9 @@ class ModelChannel:
     def publish(self, version: ModelVersion) -> None:
         """Write ``version`` (once), then point ``latest`` to it."""
         key = self._version_key(version.version)
-        self.store.compare_set(key, "", version.to_json())
-        self.store.set(self._latest_key, str(version.version))
+        self.store.compare_set(key, "", self.signer.seal(key, version.to_json().encode()))
+        latest = self.signer.seal(self._latest_key, b"%d" % version.version)
+        self.store.set(self._latest_key, latest)
         self._cache[version.version] = version
         old = version.version - self.keep_versions
         if old > 0:
@@ -85,10 +100,10 @@ class ModelChannel:
         """The newest published version number, or None (none yet, or an unreadable value)."""
         if not self.store.check([self._latest_key]):
             return None
-        raw = self.store.get(self._latest_key)
         try:
+            raw = self.signer.open(self._latest_key, self.store.get(self._latest_key))
             value = int(raw.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError):  # PlanError (signature) is a ValueError
             self.rejected += 1
             return None
         return value if value >= 0 else None
@@ -101,8 +116,8 @@ class ModelChannel:
         if not self.store.check([key]):
             return None
         try:
-            mv = ModelVersion.from_json(self.store.get(key))
-        except ProfileError as exc:
+            mv = ModelVersion.from_json(self.signer.open(key, self.store.get(key)))
+        except (ProfileError, PlanError) as exc:
             log.warning("model version %d in the Store is malformed: %s", version, exc)
             self.rejected += 1
             return None
@@ -120,12 +135,20 @@ class MeasurementChannel:
         store: the job's Store.
         prefix: job namespace.
         max_pending: records kept for a service that has not drained them yet.
+        signer: seals and opens the records (default: the job's secret from the environment).
     """
 
-    def __init__(self, store: Store, prefix: str, max_pending: int = 256) -> None:
+    def __init__(
+        self,
+        store: Store,
+        prefix: str,
+        max_pending: int = 256,
+        signer: PlanSigner | None = None,
+    ) -> None:
         self.store = store
         self.prefix = prefix
         self.max_pending = max_pending
+        self.signer = signer or PlanSigner.from_env()
         self._next_key = _key(prefix, "meas", "next")
         self._read = 0
 
@@ -140,7 +163,8 @@ class MeasurementChannel:
     ) -> None:
         """Publish one step's measurements (from one process, e.g. rank 0 after a gather)."""
         n = int(self.store.add(self._next_key, 1))
-        self.store.set(self._record_key(n), encode_measurements(step, microbatches, waves))
+        key = self._record_key(n)
+        self.store.set(key, self.signer.seal(key, encode_measurements(step, microbatches, waves)))
         old = n - self.max_pending
         if old > 0:
             with contextlib.suppress(RuntimeError, NotImplementedError):  # Store without delete
@@ -160,7 +184,84 @@ class MeasurementChannel:
             raw = self.store.get(key)
             with contextlib.suppress(RuntimeError, NotImplementedError):  # Store without delete
                 self.store.delete_key(key)
+            try:
+                raw = self.signer.open(key, raw)
+            except PlanError:
+                calibrator.rejected += 1
+                continue
             new = calibrator.observe_record(raw)
             adopted = new or adopted
         self._read = newest
         return adopted
+
+
+class ServiceCalibration:
+    """Online calibration where the plans are made: the plan service's side of the loop.
+
+    ``PlanService`` calls :meth:`poll` between plans: it drains the trainers' measurements, lets
+    the calibrator refit, and when a new version is adopted it is first published to the Store
+    (so every reader can fetch it before any plan or fallback names it) and then returned as the
+    planner the service prices the next plans with.
+
+    Args:
+        store, prefix: the job's Store and namespace.
+        calibrator: the calibrator (its version 0 must be the profile every rank started with).
+        metrics: optional ``dyncp.metrics.Metrics`` to record each refit in.
+        save_path: where to write the calibrated profile after each adopted refit (optional).
+        interval: seconds between two drains (the service loop polls much more often).
+        signer: seals the records (default: the job's secret from the environment).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        prefix: str,
+        calibrator: OnlineCalibrator,
+        *,
+        metrics: Any = None,
+        save_path: str | None = None,
+        interval: float = 0.05,
+        signer: PlanSigner | None = None,
+    ) -> None:
+        signer = signer or PlanSigner.from_env()
+        self.calibrator = calibrator
+        self.measurements = MeasurementChannel(store, prefix, signer=signer)
+        self.models = ModelChannel(store, prefix, signer=signer)
+        self.metrics = metrics
+        self.save_path = save_path
+        self.interval = interval
+        self._next = 0.0
+        self._seen_refits = 0
+
+    def bind(self, store: Store) -> None:
+        """Use ``store`` (the service thread's own connection) from now on."""
+        self.measurements.store = store
+        self.models.store = store
+
+    def poll(self, planner: Any) -> Any:
+        """``planner``, or a planner on the newly adopted model version."""
+        if not isinstance(planner, VersionedPlanner):  # plans name their version from the start
+            planner = VersionedPlanner(planner, self.calibrator.current)
+        now = time.monotonic()
+        if now < self._next:
+            return planner
+        self._next = now + self.interval
+        new = self.measurements.drain(self.calibrator)
+        fresh = self.calibrator.refits - self._seen_refits
+        if self.metrics is not None and fresh > 0:
+            version = self.calibrator.current.version
+            for result, adopted in self.calibrator.history[-fresh:]:
+                self.metrics.observe_calibration(result, adopted=adopted, version=version)
+        self._seen_refits = self.calibrator.refits
+        if new is None:
+            return planner
+        self.models.publish(new)
+        if self.save_path is not None:
+            self.calibrator.save(self.save_path)
+        log.info(
+            "cost model v%d adopted (mean error %.1f%% -> %.1f%%)",
+            new.version,
+            100 * self.calibrator.last.error_before,
+            100 * self.calibrator.last.error_after,
+        )
+        return VersionedPlanner.rebuild(planner, new)

@@ -23,11 +23,17 @@ import torch.distributed as dist
 
 from dyncp.calibration import ModelVersion, OnlineCalibrator
 from dyncp.cost_model.calibrate import Measurement, WaveMeasurement
+from dyncp.model_channel import MeasurementChannel
 from dyncp.plan import StepPlan
 from dyncp.runtime.executor import RankReport
 from dyncp.runtime.group_pool import GroupPool
 
-__all__ = ["CollectiveCalibration", "gather_reports", "step_measurements"]
+__all__ = [
+    "CollectiveCalibration",
+    "StoreMeasurements",
+    "gather_reports",
+    "step_measurements",
+]
 
 
 def gather_reports(report: RankReport, pool: GroupPool, dst: int = 0) -> list[RankReport] | None:
@@ -116,3 +122,22 @@ class CollectiveCalibration:
             return None
         self.current = ModelVersion.from_json(payload[0])
         return self.current
+
+
+class StoreMeasurements:
+    """The trainers' side of calibration with a plan service: push each step's measurements.
+
+    Every rank calls :meth:`step` after every executed step (it gathers, a collective); axis
+    position 0 pushes the step's micro-batch and wave measurements to the Store, where the
+    calibrating plan service (``DynamicCPSampler(calibrate=...)`` on the serving rank, or
+    ``python -m dyncp.serve --calibrate``) drains them.
+    """
+
+    def __init__(self, pool: GroupPool, channel: MeasurementChannel) -> None:
+        self.pool = pool
+        self.channel = channel
+
+    def step(self, step: int, plan: StepPlan, report: RankReport) -> None:
+        reports = gather_reports(report, self.pool)
+        if reports is not None:
+            self.channel.push(step, *step_measurements(plan, reports))

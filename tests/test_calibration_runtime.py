@@ -1,0 +1,79 @@
+"""Calibration in the training loop on 2 gloo ranks: the measurements the runtime gathers match
+the plan, a refit reaches every rank at the same step, and after it every rank still plans and
+runs the same plan (same digest) with the new model version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner
+from dyncp.cost_model import CostModel, load_profile
+from dyncp.planner import Planner
+from dyncp.runtime import GroupPool, execute
+from dyncp.runtime.measure import CollectiveCalibration, gather_reports, step_measurements
+from dyncp.service import plan_digest
+from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing.distributed import run_gloo
+
+CFG = TinyConfig(vocab=64, dim=32, heads=2, kv_heads=1, layers=1, ffn=64)
+
+
+def _worker(rank: int, world: int) -> dict:
+    pool = GroupPool()
+    profile = load_profile("cpu-gloo")
+    base = Planner(
+        CostModel(profile, world), world=world, ranks_per_node=world, capacity=256,
+        deterministic=True, cpsat=None,
+    )
+    calibrator = OnlineCalibrator(profile, ranks_per_node=world, refit_every=8, min_measurements=8,
+                                  min_gain=0.0)
+    loop = CollectiveCalibration(pool, calibrator)
+    planner = VersionedPlanner(base, ModelVersion(0, profile))
+    torch.manual_seed(0)
+    model = TinyDecoder(CFG)
+    rng = np.random.default_rng(0)
+    out = {"digests": [], "versions": [], "measured": []}
+    for step in range(6):
+        lengths = [int(x) for x in rng.integers(8, 300, size=10)]
+        plan = planner.plan(lengths)
+        gen = torch.Generator().manual_seed(step)
+        tokens = [torch.randint(0, CFG.vocab, (s,), generator=gen) for s in lengths]
+
+        def step_fn(ctx, tokens=tokens) -> None:
+            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
+            labels = next_token_labels(packed, ctx.seqlens)
+            loss = model.loss_sum(
+                ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
+            )
+            (loss * ctx.loss_scale).backward()
+
+        report = execute(plan, pool, step_fn)
+        if step == 0:  # the gathered measurements describe exactly the plan's micro-batches
+            reports = gather_reports(report, pool)
+            if reports is not None:
+                mbs, waves = step_measurements(plan, reports)
+                planned = sorted(
+                    (g.size, tuple(plan.lengths[i] for i in mb.seq_ids))
+                    for _, g, mb in plan.microbatches()
+                )
+                assert sorted((m.cp, m.lengths) for m in mbs) == planned
+                assert len(waves) == len(plan.waves)
+                assert all(w.seconds >= w.busy_seconds > 0 for w in waves)
+                out["measured"] = [m.seconds for m in mbs]
+        new = loop.step(plan, report)
+        if new is not None:
+            planner = VersionedPlanner.rebuild(planner, new)
+        out["digests"].append(plan_digest(plan))
+        out["versions"].append((plan.stats["model_version"], loop.current.digest))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_switches_model_at_the_same_step_and_runs_one_plan():
+    a, b = run_gloo(_worker, world=2, timeout=150)
+    assert a["digests"] == b["digests"]
+    assert a["versions"] == b["versions"]
+    assert max(v for v, _ in a["versions"]) >= 1  # a refit was adopted and used
+    assert a["measured"] and all(s > 0 for s in a["measured"])

@@ -1,0 +1,131 @@
+"""Calibration through the plan service: measurements pushed by the trainers reach the service,
+its adopted model versions reach every reader, and fallbacks after a model update are priced with
+a version every reader agrees on (named in the step's one-shot decision), whatever a hostile
+client writes to the model keys."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from dyncp.calibration import ModelVersion, OnlineCalibrator
+from dyncp.cost_model import CostModel, evaluate_plan, load_profile
+from dyncp.cost_model.calibrate import Measurement, _apply, _coefficients
+from dyncp.model_channel import MeasurementChannel, ModelChannel, ServiceCalibration
+from dyncp.plan_auth import PlanSigner
+from dyncp.planner import Planner
+from dyncp.sampler import BatchSchedule
+from dyncp.service import PlanClient, PlanService, plan_digest, step_key
+
+WORLD, CAPACITY = 4, 1024
+PROFILE = load_profile("cpu-gloo")
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def slower_profile():
+    theta = _coefficients(CostModel(PROFILE, WORLD)).copy()
+    theta[0] *= 1.3
+    theta[4] *= 2.0
+    return _apply(PROFILE, theta, PROFILE.overheads.wave_seconds)
+
+
+def make_planner() -> Planner:
+    return Planner(
+        CostModel(PROFILE, WORLD), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY,
+        deterministic=True, cpsat=None,
+    )
+
+
+def make_schedule() -> BatchSchedule:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.5, 1.2, 400).astype(np.int64), 1, WORLD * CAPACITY)
+    return BatchSchedule(
+        lengths, max_length=WORLD * CAPACITY, seed=0, global_batch_tokens=2 * WORLD * CAPACITY
+    )
+
+
+def clients(store, schedule, n=2):
+    return [
+        PlanClient(
+            store, source=schedule, planner=make_planner(), prefix="job", rank=r, deadline=0.0,
+            secret=SECRET, models=ModelChannel(store, "job", signer=PlanSigner(SECRET)),
+        )
+        for r in range(n)
+    ]
+
+
+def test_fallbacks_after_a_model_update_use_the_named_version_on_every_reader():
+    store = dist.HashStore()
+    schedule = make_schedule()
+    readers = clients(store, schedule)
+    models = ModelChannel(store, "job", signer=PlanSigner(SECRET))
+    v1 = ModelVersion(1, slower_profile())
+    models.publish(v1)
+    got = [r.fetch(0, 0) for r in readers]  # no service: reader 0 decides FALLBACK v1
+    assert store.get(step_key("job", 0, 0)).endswith(b"FALLBACK v1")
+    assert [g.source for g in got] == ["fallback", "fallback"]
+    assert plan_digest(got[0].plan) == plan_digest(got[1].plan)
+    assert all(g.plan.stats["model_version"] == 1 for g in got)
+    v1_model = CostModel(v1.profile, WORLD)
+    assert got[0].plan.stats["predicted_step_seconds"] == pytest.approx(
+        evaluate_plan(got[0].plan, v1_model).step_seconds, rel=1e-12
+    )
+
+    # A hostile client points `latest` at garbage: readers cannot read it; the decision names
+    # no version and every reader uses the starting model.
+    store.set("dyncp/job/model/latest", b"99")  # unsigned
+    got = [r.fetch(0, 1) for r in readers]
+    assert store.get(step_key("job", 0, 1)).endswith(b"FALLBACK")
+    assert plan_digest(got[0].plan) == plan_digest(got[1].plan)
+    assert got[0].plan.stats["model_version"] == 0
+
+
+def test_an_unsigned_model_version_is_refused_by_every_reader():
+    store = dist.HashStore()
+    readers = clients(store, make_schedule())
+    models = ModelChannel(store, "job", signer=PlanSigner(SECRET))
+    models.publish(ModelVersion(1, PROFILE))
+    store.set("dyncp/job/model/v2", ModelVersion(2, slower_profile()).to_json())  # forged
+    store.set(step_key("job", 0, 0), PlanSigner(SECRET).seal(step_key("job", 0, 0), b"FALLBACK v2"))
+    got = [r.fetch(0, 0) for r in readers]
+    assert plan_digest(got[0].plan) == plan_digest(got[1].plan)
+    assert got[0].plan.stats["model_version"] == 0  # the forged v2 was not used
+    assert all(r.models.rejected == 1 for r in readers)
+
+
+@pytest.mark.timeout(60)
+def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_version():
+    store = dist.HashStore()
+    schedule = make_schedule()
+    signer = PlanSigner(SECRET)
+    calibrator = OnlineCalibrator(PROFILE, ranks_per_node=WORLD, refit_every=32,
+                                  min_measurements=32)
+    service = PlanService(
+        store, source=schedule, planner=make_planner(), prefix="job", lookahead=0, secret=SECRET,
+        calibration=ServiceCalibration(store, "job", calibrator, signer=signer, interval=0.0),
+    )
+    reader = clients(store, schedule, n=1)[0]
+    reader.deadline = 10.0
+    with service:
+        first = reader.fetch(0, 0)
+        assert first.source == "service" and first.plan.stats["model_version"] == 0
+        truth = CostModel(slower_profile(), WORLD)
+        rng = np.random.default_rng(1)
+        pusher = MeasurementChannel(store, "job", signer=signer)
+        for step in range(3):
+            mbs = []
+            for i in range(16):
+                cp = (1, 2, 4)[i % 3]
+                lengths = tuple(int(x) for x in rng.integers(20, 600, size=4))
+                mbs.append(Measurement(cp, lengths, truth.microbatch_seconds(cp, lengths)))
+            pusher.push(step, mbs)
+        end = time.monotonic() + 20
+        while ModelChannel(store, "job", signer=signer).latest() is None:
+            assert time.monotonic() < end, "the service never adopted a refit"
+            time.sleep(0.01)
+        later = reader.fetch(0, 2)  # planned after the new version was adopted
+    assert later.source == "service" and later.plan.stats["model_version"] == 1
+    assert calibrator.current.version == 1 and calibrator.last.error_after < 0.01
