@@ -26,10 +26,11 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 
 
 def slower_profile():
-    theta = _coefficients(CostModel(PROFILE, WORLD)).copy()
+    model = CostModel(PROFILE, WORLD)
+    theta = _coefficients(model, []).copy()
     theta[0] *= 1.3
     theta[4] *= 2.0
-    return _apply(PROFILE, theta, PROFILE.overheads.wave_seconds)
+    return _apply(PROFILE, theta, PROFILE.overheads.wave_seconds, [], model)
 
 
 def make_planner() -> Planner:

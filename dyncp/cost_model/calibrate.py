@@ -11,8 +11,8 @@ refitting its *coefficients*:
 ``seq``                    ``attention.sequence_overhead_seconds`` (per sequence per step)
 ``step``                   ``attention.step_overhead_seconds`` (per ring step)
 ``mb``                     ``overheads.microbatch_seconds``
-``lat_intra, ibw_intra``   intra-node ring step latency and 1 / bandwidth
-``lat_inter, ibw_inter``   the same across nodes
+``latency_c``              one transfer's latency in a group of c ranks, per measured c
+``inverse_bandwidth_c``    1 / its bandwidth (``communication.links``, by group size)
 ``wave``                   ``overheads.wave_seconds`` (from wave timings, separately)
 =========================  ===============================================================
 
@@ -60,8 +60,9 @@ __all__ = [
     "prediction_errors",
 ]
 
-#: Names of the coefficients fitted from micro-batches, in parameter-vector order.
-PARAMS = ("lin", "att", "seq", "step", "mb", "lat_intra", "ibw_intra", "lat_inter", "ibw_inter")
+#: Names of the coefficients fitted from micro-batches, in parameter-vector order; then a
+#: (latency, 1 / bandwidth) pair per measured group size.
+PARAMS = ("lin", "att", "seq", "step", "mb")
 #: Relative residual at which the robust losses start to discount a measurement.
 F_SCALE = 0.05
 #: Weight of each coefficient's prior row: a 100% change of a coefficient costs as much as one
@@ -161,90 +162,101 @@ class _Features:
     """Per-measurement quantities that do not depend on the coefficients being fitted."""
 
     cp: np.ndarray  # CP size
-    tokens: np.ndarray  # padded tokens per rank
-    attention: np.ndarray  # sum over sequences of the profile's net attention of a block
-    sequences: np.ndarray  # sequences in the micro-batch
-    inter: np.ndarray  # 1.0 where the group crosses a node
+    link: np.ndarray  # index into the fitted group sizes (-1: cp 1, no link)
+    tokens: np.ndarray  # priced tokens per rank
+    attention: np.ndarray  # sum over sequences of the profile's net attention per step
+    sequences: np.ndarray  # weight of the per-sequence cost per step (n, or n / c all-to-all)
     measured: np.ndarray
 
+    def subset(self, keep: np.ndarray) -> _Features:
+        return _Features(*(getattr(self, n)[keep] for n in _Features.__slots__))
 
-def _features(model: CostModel, ms: Sequence[Measurement]) -> _Features:
-    cp = np.array([m.cp for m in ms], dtype=np.float64)
-    tokens = np.empty(len(ms))
-    attention = np.empty(len(ms))
+
+def _features(model: CostModel, ms: Sequence[Measurement], sizes: list[int]) -> _Features:
+    n = len(ms)
+    tokens, attention, sequences = np.empty(n), np.empty(n), np.empty(n)
     for i, m in enumerate(ms):
-        p = model.padded(m.cp, np.asarray(m.lengths)).astype(np.float64)
+        p = model.priced(m.cp, np.asarray(m.lengths)).astype(np.float64)
         tokens[i] = p.sum() / m.cp
-        attention[i] = model._net_attention(p / m.cp).sum()
+        if model.all_to_all and m.cp > 1:
+            attention[i] = model._net_attention(p).sum() / m.cp
+            sequences[i] = len(p) / m.cp
+        else:
+            attention[i] = model._net_attention(p / m.cp).sum()
+            sequences[i] = len(p)
+    cp = np.array([m.cp for m in ms], dtype=np.float64)
+    index = {c: j for j, c in enumerate(sizes)}
     return _Features(
         cp=cp,
+        link=np.array([index.get(m.cp, -1) for m in ms], dtype=np.int64),
         tokens=tokens,
         attention=attention,
-        sequences=np.array([len(m.lengths) for m in ms], dtype=np.float64),
-        inter=(cp > model.ranks_per_node).astype(np.float64),
+        sequences=sequences,
         measured=np.array([m.seconds for m in ms], dtype=np.float64),
     )
 
 
-def _coefficients(model: CostModel) -> np.ndarray:
-    comm = model.profile.communication
+def _coefficients(model: CostModel, sizes: Sequence[int]) -> np.ndarray:
+    """The profile's values of ``PARAMS`` followed by (latency, 1/bandwidth) per group size."""
+    links = []
+    for c in sizes:
+        latency, bandwidth = model.link(c)
+        links += [latency, 1.0 / bandwidth]
     return np.array(
-        [
-            model.lin,
-            1.0,
-            model.per_sequence,
-            model.k,
-            model.microbatch_overhead,
-            comm.intra_node.latency_seconds,
-            1.0 / comm.intra_node.bandwidth_bytes_per_second,
-            comm.inter_node.latency_seconds,
-            1.0 / comm.inter_node.bandwidth_bytes_per_second,
-        ]
+        [model.lin, 1.0, model.per_sequence, model.k, model.microbatch_overhead, *links]
     )
 
 
 def _predict(theta: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
     """CostModel._seconds written in the coefficients ``theta`` (same formula, vectorised)."""
-    lin, att, seq, k, mb, lat_a, ibw_a, lat_e, ibw_e = theta
+    lin, att, seq, k, mb = theta[:5]
+    lat_all, ibw_all = theta[5::2], theta[6::2]
     layers = model.layers
     step = att * f.attention + seq * f.sequences + k
     total = lin * f.tokens + mb
-    lat = np.where(f.inter > 0, lat_e, lat_a)
-    block = model.kvb * f.tokens * np.where(f.inter > 0, ibw_e, ibw_a)
-    comm_f = lat + block
-    bwd = model.bwd_bytes
-    comm_b = lat + bwd * block
-    home = lat + max(bwd - 1.0, 0.0) * block
+    ring = f.link >= 0
+    j = np.where(ring, f.link, 0)
+    lat = np.where(ring, lat_all[j] if len(lat_all) else 0.0, 0.0)
+    block = np.where(ring, model.kvb * f.tokens * (ibw_all[j] if len(ibw_all) else 0.0), 0.0)
     c = f.cp
-    if model.overlap:
-        comp_f = step * model.fwd_fraction
-        ring = (c - 1) * (np.maximum(comp_f, comm_f) + np.maximum(step - comp_f, comm_b))
-        layer = step + ring + home
+    if model.all_to_all:
+        layer = step + lat + block
     else:
-        layer = c * step + (c - 1) * (comm_f + comm_b) + home
-    layer = np.where(c > 1, layer, step)
+        comm_f = lat + block
+        bwd = model.bwd_bytes
+        comm_b = lat + bwd * block
+        home = lat + max(bwd - 1.0, 0.0) * block
+        if model.overlap:
+            comp_f = step * model.fwd_fraction
+            layer = (
+                step
+                + (c - 1) * (np.maximum(comp_f, comm_f) + np.maximum(step - comp_f, comm_b))
+                + home
+            )
+        else:
+            layer = c * step + (c - 1) * (comm_f + comm_b) + home
+    layer = np.where(ring, layer, step)
     return total + layers * layer
 
 
-def _scales(theta0: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
+def _scales(theta0: np.ndarray, f: _Features, model: CostModel, sizes: list[int]) -> np.ndarray:
     """Natural magnitude of each coefficient: the value at which its term alone would explain
-    the median measurement. Used to condition the problem and for zero-valued priors."""
+    the median measurement. Conditions the problem; stands in for zero-valued priors."""
     med = float(np.median(f.measured))
     L, c = model.layers, f.cp
-    ring = c > 1
+    steps = np.where(f.link >= 0, c, 1.0) if not model.all_to_all else np.ones_like(c)
     usage = [
-        np.median(f.tokens),
-        np.median(L * np.where(ring, c, 1.0) * f.attention) / max(theta0[1], 1e-300),
-        np.median(L * np.where(ring, c, 1.0) * f.sequences),
-        np.median(L * np.where(ring, c, 1.0)),
+        float(np.median(f.tokens)),
         1.0,
-        np.median(L * (2 * c - 1)[ring]) if ring.any() else 1.0,
-        np.median((L * c * model.kvb * f.tokens * (1 + model.bwd_bytes))[ring])
-        if ring.any()
-        else 1.0,
+        float(np.median(L * steps * f.sequences)),
+        float(np.median(L * steps)),
+        1.0,
     ]
-    usage += usage[5:7]
-    out = np.array([med / max(float(u), 1e-300) for u in usage])
+    for j, size in enumerate(sizes):
+        sel = f.link == j
+        hops = L * (2 * size - 1) if not model.all_to_all else L
+        usage += [hops, hops * model.kvb * (float(np.median(f.tokens[sel])) if sel.any() else 1.0)]
+    out = np.array([med / max(u, 1e-300) for u in usage])
     out[1] = 1.0  # the attention scale is already relative
     return np.where(theta0 > 0, theta0, out)
 
@@ -295,7 +307,7 @@ def _solve(
 
     lower = np.zeros(len(theta0))
     lower[1] = 1e-6  # the attention table must stay positive
-    lower[[6, 8]] = 1.0 / MAX_BANDWIDTH / scale[[6, 8]]
+    lower[6::2] = 1.0 / MAX_BANDWIDTH / scale[6::2]  # bandwidths stay finite
     x0 = np.clip(start / scale, lower, None)
     x0 = np.where(x0 <= lower, lower * 1.000001 + 1e-12, x0)
     sol = least_squares(
@@ -333,23 +345,23 @@ def fit_profile(
             f"{len(ms)} micro-batch measurements; calibration needs at least {min_measurements}"
         )
     model = CostModel(profile, ranks_per_node)
-    f = _features(model, ms)
-    theta0 = _coefficients(model)
-    scale = _scales(theta0, f, model)
+    sizes = sorted({m.cp for m in ms if m.cp > 1})
+    f = _features(model, ms, sizes)
+    theta0 = _coefficients(model, sizes)
+    scale = _scales(theta0, f, model, sizes)
     first = _solve(f, model, theta0, scale, theta0, "cauchy")
     r = _predict(first, f, model) / f.measured - 1.0
     med = float(np.median(r))
     mad = float(np.median(np.abs(r - med)))
     keep = np.abs(r - med) <= max(3 * 1.4826 * mad, F_SCALE)
-    fk = _Features(*(getattr(f, n)[keep] for n in _Features.__slots__))
-    theta = _solve(fk, model, theta0, scale, first, "soft_l1")
+    theta = _solve(f.subset(keep), model, theta0, scale, first, "soft_l1")
     if not np.isfinite(theta).all():  # least_squares keeps iterates finite; this is a guard
         theta = theta0
     wave = profile.overheads.wave_seconds
     if waves:
         gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
         wave = float(np.median(gaps))
-    new = _apply(profile, theta, wave)
+    new = _apply(profile, theta, wave, sizes, model)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k in zip(ms, keep) if k]
     before = float(np.mean(np.abs(prediction_errors(model, inliers))))
@@ -362,8 +374,8 @@ def fit_profile(
     )
     return CalibrationResult(
         profile=new,
-        coefficients_before=dict(zip(PARAMS, theta0.tolist())) | {"wave": wave_of(profile)},
-        coefficients_after=dict(zip(PARAMS, theta.tolist())) | {"wave": wave},
+        coefficients_before=_named(theta0, sizes) | {"wave": profile.overheads.wave_seconds},
+        coefficients_after=_named(theta, sizes) | {"wave": wave},
         error_before=before,
         error_after=after,
         measurements=len(ms),
@@ -373,13 +385,33 @@ def fit_profile(
     )
 
 
-def wave_of(profile: Profile) -> float:
-    return profile.overheads.wave_seconds
+def _named(theta: np.ndarray, sizes: Sequence[int]) -> dict[str, float]:
+    out = dict(zip(PARAMS, theta[:5].tolist()))
+    for j, c in enumerate(sizes):
+        out[f"latency_{c}"] = float(theta[5 + 2 * j])
+        out[f"inverse_bandwidth_{c}"] = float(theta[6 + 2 * j])
+    return out
 
 
-def _apply(profile: Profile, theta: np.ndarray, wave: float) -> Profile:
-    """A copy of ``profile`` with the fitted coefficients written into its fields."""
-    lin, att, seq, k, mb, lat_a, ibw_a, lat_e, ibw_e = (float(v) for v in theta)
+#: Group sizes a calibrated profile lists links for, besides the measured ones: every power of
+#: two up to this (the link rule takes the next larger size listed, so all groups are covered).
+LINK_SIZES_UP_TO = 1 << 16
+
+
+def _apply(
+    profile: Profile,
+    theta: np.ndarray,
+    wave: float,
+    sizes: Sequence[int],
+    model: CostModel,
+) -> Profile:
+    """A copy of ``profile`` with the fitted coefficients written into its fields.
+
+    Fitted links go to ``communication.links`` by group size; sizes not measured keep the link
+    the profile gave them at this node size (``model.link``), so a calibrated profile lists a
+    link for every power of two up to ``LINK_SIZES_UP_TO`` and is specific to that node size.
+    """
+    lin, att, seq, k, mb = (float(v) for v in theta[:5])
     data = profile.model_dump(mode="json")
     data["linear_seconds_per_token"] = lin
     a = data["attention"]
@@ -390,15 +422,25 @@ def _apply(profile: Profile, theta: np.ndarray, wave: float) -> Profile:
     else:
         a["alpha"], a["beta"] = att * old.alpha, att * old.beta
     a["step_overhead_seconds"], a["sequence_overhead_seconds"] = k, seq
-    comm = data["communication"]
-    comm["intra_node"] = {
-        "latency_seconds": lat_a,
-        "bandwidth_bytes_per_second": min(1.0 / ibw_a, MAX_BANDWIDTH),
-    }
-    comm["inter_node"] = {
-        "latency_seconds": lat_e,
-        "bandwidth_bytes_per_second": min(1.0 / ibw_e, MAX_BANDWIDTH),
-    }
+    fitted = {c: (float(theta[5 + 2 * j]), float(theta[6 + 2 * j])) for j, c in enumerate(sizes)}
+    if fitted:
+        listed = {link["group_size"] for link in data["communication"]["links"]}
+        powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
+        links = []
+        for c in sorted(listed | powers | set(fitted)):
+            if c in fitted:
+                latency, inverse = fitted[c]
+                bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
+            else:
+                latency, bandwidth = model.link(c)
+            links.append(
+                {
+                    "group_size": c,
+                    "latency_seconds": latency,
+                    "bandwidth_bytes_per_second": bandwidth,
+                }
+            )
+        data["communication"]["links"] = links
     data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
     return Profile.model_validate(data)
 

@@ -1,0 +1,227 @@
+"""Measured end to end: the real runtime runs static, megatron and dyncp plans of the same batches.
+
+    python bench/e2e_bench.py              # 2 gloo processes, 1 thread each (honest on 2 cores)
+    python bench/e2e_bench.py --world 4    # oversubscribed on a 2-core machine: labelled so
+
+The same seeded global batches of real document lengths (bundled Wikipedia sample, truncated to
+``--max-length``) go through ``runtime.execute`` with the tiny decoder of ``profiles/cpu-gloo``
+(forward + backward, gloo rings), once per policy, the policies interleaved batch by batch so
+that machine drift hits them alike. Three phases:
+
+1. warm-up (not reported);
+2. **before**: plans priced (and, for dyncp, chosen) with the profile as shipped; every step's
+   measurements feed an ``OnlineCalibrator`` through ``CollectiveCalibration`` (the production
+   path: gathered to rank 0, refit, the adopted version broadcast to every rank at a step
+   boundary);
+3. **after**: the same batches re-planned with the calibrated model and run again.
+
+Printed per phase and policy: mean measured and predicted step seconds, their error, and the
+speedups of dyncp over static and megatron, measured next to predicted, with the ratio
+predicted / measured of each speedup. A step's time is the slowest rank's wall clock of
+``execute`` (forward + backward of every micro-batch and the wave synchronisations), each step
+the median of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner
+from dyncp.cost_model import CostModel, load_profile
+from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.planner import Planner
+from dyncp.runtime import GroupPool, execute
+from dyncp.runtime.measure import CollectiveCalibration
+from dyncp.sim.replay import admit, draw_batches
+from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing.distributed import run_gloo
+
+POLICIES = ("static", "megatron", "dyncp")
+
+
+def _planners(model: CostModel, args: argparse.Namespace, world: int) -> dict[str, Planner]:
+    return {
+        name: Planner(
+            model,
+            world=world,
+            ranks_per_node=world,
+            capacity=args.capacity,
+            policy=name,
+            max_length=args.max_length,
+            deterministic=True,
+            cpsat=None,
+        )
+        for name in POLICIES
+    }
+
+
+def _timed_step(plan, pool, model, tokens, repeats: int) -> tuple[float, object]:
+    """Median over ``repeats`` of the slowest rank's execute() wall clock; the last report."""
+
+    def step_fn(ctx) -> None:
+        packed = torch.cat([tokens[i] for i in ctx.seq_ids])
+        labels = next_token_labels(packed, ctx.seqlens)
+        loss = model.loss_sum(
+            ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout,
+            kernel="auto",
+        )
+        (loss * ctx.loss_scale).backward()
+
+    times = []
+    report = None
+    for _ in range(repeats):
+        pool.barrier()
+        t0 = time.perf_counter()
+        report = execute(plan, pool, step_fn)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t.item()))
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times), report
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    pool = GroupPool()
+    profile = load_profile(args.profile)
+    shape = profile.model
+    cfg = TinyConfig(
+        vocab=shape.vocab_size, dim=shape.hidden_size, heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads, layers=shape.num_layers, ffn=shape.ffn_hidden_size,
+    )
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg)
+    lengths, _ = admit(load_lengths(resolve_dataset(args.dataset)), args.max_length, "truncate")
+    batches = list(
+        draw_batches(
+            lengths, steps=args.warmup + args.steps, seed=args.seed,
+            global_batch_tokens=args.global_batch_tokens,
+        )
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = [[torch.randint(0, cfg.vocab, (int(s),), generator=gen) for s in b] for b in batches]
+    calibrator = OnlineCalibrator(
+        profile, ranks_per_node=world, refit_every=args.refit_every, min_measurements=16
+    )
+    loop = CollectiveCalibration(pool, calibrator)
+    version = ModelVersion(0, profile)
+    planners = _planners(CostModel(profile, world), args, world)
+    rows: list[dict] = []
+    for phase in ("warmup", "before", "after"):
+        if phase == "after":  # re-plan with the calibrated model, identical on every rank
+            version = loop.current
+            planners = _planners(version.model(world), args, world)
+        span = range(args.warmup) if phase == "warmup" else range(args.warmup, len(batches))
+        for b in span:
+            order = POLICIES[b % 3 :] + POLICIES[: b % 3]
+            for name in order:
+                plan = VersionedPlanner(planners[name], version).plan(batches[b])
+                seconds, report = _timed_step(plan, pool, model, tokens[b], args.repeats)
+                if phase == "before":
+                    loop.step(plan, report)  # collective: measurements -> refit -> version
+                rows.append(
+                    {
+                        "phase": phase,
+                        "batch": b,
+                        "policy": name,
+                        "measured": seconds,
+                        "predicted": plan.stats["predicted_step_seconds"],
+                        "model_version": plan.stats["model_version"],
+                        "waves": len(plan.waves),
+                        "cp": sorted(set(plan.cp_of_sequences().values())),
+                    }
+                )
+    result = {"rows": rows}
+    if calibrator.last is not None:
+        last = calibrator.last
+        result["calibration"] = {
+            "version": loop.current.version,
+            "refits": calibrator.refits,
+            "error_before": last.error_before,
+            "error_after": last.error_after,
+            "measurements": last.measurements,
+            "outliers": last.outliers,
+            "coefficients_before": last.coefficients_before,
+            "coefficients_after": last.coefficients_after,
+        }
+        if rank == 0 and args.save_profile:
+            calibrator.save(args.save_profile)
+    return result
+
+
+def _mean(rows: list[dict], phase: str, policy: str, key: str) -> float:
+    return float(np.mean([r[key] for r in rows if r["phase"] == phase and r["policy"] == policy]))
+
+
+def report(result: dict, args: argparse.Namespace, world: int) -> str:
+    rows = result["rows"]
+    cores = os.cpu_count() or 1
+    label = "" if world <= cores else f"  [OVERSUBSCRIBED: {world} processes on {cores} cores]"
+    out = [
+        f"e2e bench: {world} gloo processes x 1 thread, profile {args.profile}, dataset "
+        f"{args.dataset}, {args.steps} batches of {args.global_batch_tokens} tokens, capacity "
+        f"{args.capacity}, max length {args.max_length}, median of {args.repeats} runs{label}"
+    ]
+    cal = result.get("calibration")
+    if cal:
+        out.append(
+            f"calibration: {cal['refits']} refits, model v{cal['version']}; last refit on "
+            f"{cal['measurements']} micro-batches ({cal['outliers']} outliers): mean micro-batch "
+            f"error {cal['error_before']:.1%} -> {cal['error_after']:.1%}"
+        )
+    for phase in ("before", "after"):
+        out.append(f"\n{phase} calibration")
+        out.append(f"{'policy':<10}{'measured s':>12}{'predicted s':>13}{'error':>9}")
+        for p in POLICIES:
+            m, pr = _mean(rows, phase, p, "measured"), _mean(rows, phase, p, "predicted")
+            out.append(f"{p:<10}{m:>12.4f}{pr:>13.4f}{pr / m - 1:>+9.1%}")
+        for base in ("static", "megatron"):
+            m = _mean(rows, phase, base, "measured") / _mean(rows, phase, "dyncp", "measured")
+            pr = _mean(rows, phase, base, "predicted") / _mean(rows, phase, "dyncp", "predicted")
+            out.append(
+                f"dyncp/{base:<9} measured {m:.3f}x  predicted {pr:.3f}x  "
+                f"predicted/measured {pr / m:.3f}"
+            )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--profile", default="cpu-gloo")
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--steps", type=int, default=12, help="batches per phase")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--capacity", type=int, default=1024, help="tokens per rank per micro-batch")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--global-batch-tokens", type=int, default=8192)
+    p.add_argument("--refit-every", type=int, default=32, help="micro-batches between refits")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows and calibration here")
+    p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args(argv)
+    if args.world < 2:
+        p.error("--world must be >= 2 (a ring needs two ranks)")
+    start = time.perf_counter()
+    result = run_gloo(_worker, world=args.world, args=(args,), timeout=args.timeout,
+                      pg_timeout=600)[0]
+    print(report(result, args, args.world))
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result | {"args": vars(args)}, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
