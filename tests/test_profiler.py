@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -113,10 +115,34 @@ def test_profile_cli_single_process(tmp_path) -> None:
     assert "single process" in profile.provenance.assumptions[0].source
 
 
-def test_validate_cli_single_process(tmp_path, capsys) -> None:
-    validate_main(["--profile", "cpu-gloo", "--cases", "2", "--repeats", "1", "--capacity", "256"])
-    out = capsys.readouterr().out
-    assert "MAPE cp=1:" in out and "MAPE overall:" in out
+def test_profile_records_its_run_and_validate_checks_it(tmp_path, capsys) -> None:
+    """The profiler records its set-up; validation compares numbers only under the same set-up,
+    refuses (exit 2, naming both values) under another, and warns when told to go on."""
+    out = tmp_path / "quick.json"
+    profile_main(
+        ["--out", str(out), "--max-length", "128", "--repeats", "1", "--max-seconds", "5",
+         "--device", "cpu"]
+    )
+    profile = load_profile(out)
+    run = profile.provenance.run
+    assert run is not None and run.processes == 1 and run.device_type == "cpu"
+    assert run.threads_per_process == torch.get_num_threads()
+    args = ["--profile", str(out), "--cases", "2", "--repeats", "1", "--capacity", "128"]
+    validate_main(args)
+    printed = capsys.readouterr().out
+    assert "MAPE cp=1:" in printed and "MAPE overall:" in printed and "WARNING" not in printed
+
+    data = json.loads(out.read_text())
+    data["provenance"]["run"]["processes"] = 4
+    other = tmp_path / "four.json"
+    other.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exc:
+        validate_main(["--profile", str(other), *args[2:]])
+    assert exc.value.code == 2
+    assert "processes: profile 4, this run 1" in capsys.readouterr().err
+    validate_main(["--profile", str(other), *args[2:], "--allow-mismatch"])
+    printed = capsys.readouterr().out
+    assert printed.count("SET-UP DIFFERS") == 2 and "MAPE overall:" in printed
 
 
 def test_random_pack_fills_capacity() -> None:

@@ -38,12 +38,20 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
-from dyncp.cost_model.schema import Profile
+from dyncp.cost_model.schema import Profile, RunContext
 from dyncp.ring_attention import make_ring_layout, ring_attention, zigzag_positions, zigzag_shard
 from dyncp.ring_attention.comm import ring_exchange
 from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
 
-__all__ = ["MODELS", "measure", "fit_linear", "fit_attention", "fit_link", "main"]
+__all__ = [
+    "MODELS",
+    "measure",
+    "fit_linear",
+    "fit_attention",
+    "fit_link",
+    "main",
+    "run_context",
+]
 
 # Model shapes the profiler can build; "tiny" is the runtime tests' and the example's model.
 MODELS = {
@@ -389,12 +397,8 @@ def build_profile(
             }
         )
         wave = 0.0
-    device_name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or platform.machine())
-    )
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    run = run_context(device)
+    device_name, world = run.device_name, run.processes
     data = {
         "schema_version": 1,
         "name": name,
@@ -406,6 +410,7 @@ def build_profile(
             "method": command,
             "assumptions": assumptions,
             "notes": notes + [f"torch {torch.__version__}, python {platform.python_version()}"],
+            "run": run.model_dump(),
         },
         "model": _model_shape(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
         "linear_seconds_per_token": per_token,
@@ -422,6 +427,19 @@ def build_profile(
         "overheads": {"microbatch_seconds": constant, "wave_seconds": wave},
     }
     return Profile.model_validate(data)
+
+
+def run_context(device: torch.device) -> RunContext:
+    """This process's run set-up: processes (the job's world), threads, device, cores."""
+    return RunContext(
+        processes=dist.get_world_size() if dist.is_initialized() else 1,
+        threads_per_process=torch.get_num_threads(),
+        device_type=device.type,
+        device_name=torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine()),
+        cpus=os.cpu_count() or 1,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

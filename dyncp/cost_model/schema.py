@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = [
     "Profile",
     "ProfileError",
+    "RunContext",
     "load_profile",
     "bundled_profiles",
     "PROFILES_DIR",
@@ -80,6 +81,21 @@ class Assumption(_Strict):
     source: str
 
 
+class RunContext(_Strict):
+    """How a measured profile's run was set up: what a validation or a user's run must match.
+
+    Times measured with 4 processes sharing 2 cores, or with 8 threads instead of 1, describe
+    another machine; ``dyncp.cost_model.validate`` compares these fields before it compares
+    numbers.
+    """
+
+    processes: int = Field(gt=0, description="processes that ran side by side (ranks)")
+    threads_per_process: int = Field(gt=0, description="torch intra-op threads per process")
+    device_type: str = Field(description="cpu or cuda")
+    device_name: str = Field(description="CPU model or GPU name")
+    cpus: int = Field(gt=0, description="CPU cores the machine had")
+
+
 class Provenance(_Strict):
     """Where the numbers come from: required, so a profile cannot pretend to be measured."""
 
@@ -89,6 +105,9 @@ class Provenance(_Strict):
     method: str = Field(description="command or procedure that produced the file")
     assumptions: list[Assumption] = []
     notes: list[str] = []
+    run: RunContext | None = Field(
+        default=None, description="the measuring run's set-up (measured profiles only)"
+    )
 
 
 class ModelShape(_Strict):

@@ -8,6 +8,13 @@ real-distribution lengths that fill ``--capacity`` tokens per rank, on every ran
 of the same size side by side, as in a training wave). Measured: the median over repeats of the
 slowest rank's time. Predicted: ``CostModel.microbatch_seconds(cp, lengths)``. Prints the mean
 absolute percentage error (MAPE) per CP size and overall.
+
+A profile describes the run that measured it: the processes side by side, the threads each used,
+the device. Before any number is compared, the profile's recorded set-up
+(``provenance.run``) is compared with this run's; if they differ, validation refuses (exit
+status 2, one line naming each differing field with both values), because the error it would
+print measures the difference of set-ups, not the model. ``--allow-mismatch`` compares anyway,
+under a warning naming both values.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.profile import run_context
+from dyncp.cost_model.schema import Profile, ProfileError, RunContext
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
 from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
 
-__all__ = ["main", "random_pack"]
+__all__ = ["main", "random_pack", "setup_differences"]
 
 
 def random_pack(pool: np.ndarray, cp: int, capacity: int, rng: np.random.Generator) -> list[int]:
@@ -44,6 +53,22 @@ def random_pack(pool: np.ndarray, cp: int, capacity: int, rng: np.random.Generat
         tokens += padded
 
 
+def setup_differences(profile: Profile, run: RunContext) -> list[str] | None:
+    """What differs between the profile's measuring run and ``run`` (None: not recorded).
+
+    The machine's core count is not compared (a profile may fairly be checked on a bigger
+    machine); processes, threads per process and the device are.
+    """
+    recorded = profile.provenance.run
+    if recorded is None:
+        return None
+    return [
+        f"{name}: profile {getattr(recorded, name)!r}, this run {getattr(run, name)!r}"
+        for name in ("processes", "threads_per_process", "device_type", "device_name")
+        if getattr(recorded, name) != getattr(run, name)
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m dyncp.cost_model.validate", description=__doc__.splitlines()[0]
@@ -54,6 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", type=int, default=6, help="packs per CP size")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="compare even if this run's set-up differs from the profile's (warned)",
+    )
     args = p.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -61,7 +91,33 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
-    model_cost = CostModel.load(args.profile, ranks_per_node=world)
+    try:
+        model_cost = CostModel.load(args.profile, ranks_per_node=world)
+    except ProfileError as exc:
+        sys.exit(f"validate: {exc}")
+    differences = setup_differences(model_cost.profile, run_context(torch.device("cpu")))
+    warning = ""
+    if differences is None:
+        warning = (
+            f"WARNING: profile {args.profile} does not record how it was measured "
+            "(provenance.run); the comparison below may compare different set-ups"
+        )
+    elif differences:
+        what = "; ".join(differences)
+        if not args.allow_mismatch:
+            if distributed:
+                dist.destroy_process_group()
+            if rank == 0:
+                print(
+                    f"validate: refusing: profile {args.profile} was measured under another "
+                    f"set-up ({what}); rerun with the profile's set-up, or pass "
+                    "--allow-mismatch to compare anyway",
+                    file=sys.stderr,
+                )
+            sys.exit(2)
+        warning = f"WARNING: SET-UP DIFFERS FROM THE PROFILE'S ({what}): errors below include it"
+    if warning and rank == 0:
+        print(warning, flush=True)
     shape = model_cost.profile.model
     cfg = TinyConfig(
         vocab=shape.vocab_size,
@@ -129,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"MAPE cp={cp}: {errors[cp]:.1%}")
         overall = float(np.mean([abs(pr - m) / m for _, _, _, m, pr in rows]))
         print(f"MAPE overall: {overall:.1%}")
+        if warning:
+            print(warning)
         sys.stdout.flush()
     if distributed:
         dist.destroy_process_group()
