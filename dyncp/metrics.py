@@ -17,7 +17,8 @@ Step-level metrics describe the whole job: report each step once (rank 0 or the 
 not once per rank. Names follow Prometheus conventions (base units; ``_seconds``, ``_ratio``,
 ``_total``); labels come from bounded sets only: ``policy`` (the constructor's ``policies``),
 ``source`` (predicted / measured), ``cp_size`` (powers of two up to the world size), ``status``
-(solver outcomes) and ``reason`` (fallback reasons). A ``rank`` label is opt-in
+(solver outcomes), ``reason`` (fallback reasons), and for online calibration ``stage`` (before /
+after a refit), ``outcome`` (adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label is opt-in
 (``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
 
 Multi-process mode: when several processes on a host write metrics (trainer ranks, DataLoader
@@ -301,6 +302,8 @@ class Metrics:
             self.calibration_error.labels(stage)
         for outcome in ("adopted", "kept"):
             self.calibration_refits.labels(outcome)
+        for kind in ("fitted", "outliers"):
+            self.calibration_measurements.labels(kind)
         self.rank_busy: Gauge | None = None
         if rank_label:
             self.rank_busy = Gauge(

@@ -128,6 +128,7 @@ def test_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource() -> None:
         "plan latency quantiles",
         "cp-size mix",
         "fallback",
+        "calibration",
     ):
         assert what in titles, what
     variables = {v["name"]: v for v in d["templating"]["list"]}

@@ -31,7 +31,7 @@ from dyncp.sim.report import summarise
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--world", "8", "--ranks-per-node", "4", "--capacity", "512", "--max-length", "4096"]
-BOUNDED_LABELS = {"policy", "source", "cp_size", "status", "reason"}
+BOUNDED_LABELS = {"policy", "source", "cp_size", "status", "reason", "stage", "outcome", "kind"}
 
 
 @functools.cache
@@ -65,8 +65,9 @@ def test_names_units_and_labels_follow_prometheus_conventions() -> None:
         if fam.type == "counter":  # the exposition appends _total
             assert not fam.name.endswith("_total")
         else:
-            assert fam.name.endswith(("_seconds", "_ratio")) or fam.name.endswith(
-                "_lookahead_steps"
+            # base units; dimensionless counts name what they count
+            assert fam.name.endswith(
+                ("_seconds", "_ratio", "_lookahead_steps", "_version", "_measurements")
             ), fam.name
         for sample in fam.samples:
             assert set(sample.labels) - {"le"} <= BOUNDED_LABELS, (fam.name, sample.labels)
