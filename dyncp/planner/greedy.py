@@ -26,6 +26,8 @@ randomness, ties broken by index.
 from __future__ import annotations
 
 import heapq
+import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -58,6 +60,8 @@ LEVEL_FACTORS = (
     1.7,
     2.0,
 )
+# How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
+EARLY_LEVELS = 5
 
 
 class GreedyConstructor:
@@ -86,6 +90,7 @@ class GreedyConstructor:
         self.min_cp = self.costs.min_cp
         self.seconds = self.costs.seconds
         self.alone = self.costs.alone
+        self.tried = 0
 
     # ------------------------------------------------------------------------------ step 1
     def choose_sizes(self, stretch: float, boost: int = 0) -> np.ndarray:
@@ -288,33 +293,46 @@ class GreedyConstructor:
         )
         return StepPlan(topo, tuple(int(s) for s in self.lengths), waves, policy="dyncp")
 
-    def candidates(self) -> list[StepPlan]:
+    def candidates(self) -> Iterator[StepPlan]:
+        """Candidate plans, most promising first (measured: notes in the README's planner
+        section), so an anytime caller that stops early has already seen the likely winners."""
+        ideal = self.ideal_seconds()
+        first, rest = LEVEL_FACTORS[:EARLY_LEVELS], LEVEL_FACTORS[EARLY_LEVELS:]
         seen: set[bytes] = set()
-        out = []
-        for stretch, boost in self.structures:
+        for n, (stretch, boost) in enumerate(self.structures):
             k = self.choose_sizes(stretch, boost)
             key = k.tobytes()
-            if key in seen:
-                continue
-            seen.add(key)
-            for level in self.levels(k):
-                out.append(self.build(k, level))
-        ideal = self.ideal_seconds()
-        out += [self.build_level(ideal * f) for f in LEVEL_FACTORS]
-        return out
+            if key not in seen:
+                seen.add(key)
+                for level in self.levels(k):
+                    yield self.build(k, level)
+            if n == 0:
+                for f in first:
+                    yield self.build_level(ideal * f)
+        for f in rest:
+            yield self.build_level(ideal * f)
 
     def ideal_seconds(self) -> float:
         return self.costs.ideal_seconds()
 
-    def best(self) -> StepPlan:
-        """The fastest candidate under the cost model (first one on ties)."""
+    def best(self, deadline: float | None = None) -> StepPlan:
+        """The fastest candidate under the cost model (first one on ties).
+
+        Anytime: with a ``deadline`` (``time.perf_counter()`` seconds) it stops after the first
+        candidate that ends past it and returns the best so far; ``tried`` counts the candidates
+        priced. Without one it prices them all (deterministic).
+        """
+        self.tried = 0
         if len(self.lengths) == 0:
             return StepPlan(self.topology, (), (), policy="dyncp")
         best: tuple[float, StepPlan] | None = None
         for plan in self.candidates():
             seconds = evaluate_plan(plan, self.model).step_seconds
+            self.tried += 1
             if best is None or seconds < best[0]:
                 best = (seconds, plan)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
         assert best is not None
         return best[1]
 

@@ -6,16 +6,24 @@
     plan.stats["predicted_step_seconds"], plan.stats["gap_to_lower_bound"], plan.stats["solver"]
     plan.stats["timings"]["plan_seconds"]  # wall clock: the only values that vary between runs
 
-The dyncp policy is a pipeline with a deadline: the greedy constructor (milliseconds), then, if
-the remaining time allows (``min_improve_seconds``), the CP-SAT improvement for what is left of
+The dyncp policy is a pipeline with a deadline: the greedy constructor (anytime: candidates in
+order of promise until ``time_limit`` minus a reserve for validation and the bound), then, if the
+remaining time allows (``min_improve_seconds``), the CP-SAT improvement for what is left of
 ``time_limit``, then an optional user ``improver``. Every improvement is validated and kept only
 when the exact cost model predicts it faster, so nothing after the greedy can make a plan worse
 or invalid, and nothing raises because a solver ran out of time: the best plan found by the
 deadline is returned. Solver outcomes are counted in ``Planner.solver_status_counts``.
 
-Deterministic mode (``deterministic=True``): CP-SAT runs with one worker, a deterministic time
-limit and a fixed seed, and whether it runs depends on ``time_limit`` only, never on elapsed wall
-time, so identical inputs give identical plans on every machine.
+Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
+with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
+``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
+machine.
+
+Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.lp_bound``, a few
+milliseconds) with ``bound="tight"`` (default), the closed-form one (``dyncp.planner.bound``) with
+``bound="simple"``; both are reported (``simple_lower_bound_seconds``) and the gap is against the
+tighter. ``timings.plan_seconds`` is the wall clock of the whole ``plan()`` call, bound and
+validation included.
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from dyncp.planner.bound import lower_bound
 from dyncp.planner.cpsat import CpSatImprover
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
+from dyncp.planner.lp_bound import lp_lower_bound
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
-__all__ = ["Planner", "POLICIES", "Improver"]
+__all__ = ["Planner", "POLICIES", "BOUNDS", "Improver"]
 
 POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
+BOUNDS = ("tight", "simple")
 
 Improver = Callable[[StepPlan, CostModel], StepPlan]
 
@@ -64,6 +74,10 @@ class Planner:
         min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
             after the greedy (building its model alone takes tens of milliseconds).
         improver: optional user improvement of the plan (dyncp policy only), same guarantees.
+        bound: ``"tight"`` (LP, reported every step) or ``"simple"`` (closed form: skips the LP,
+            e.g. in the plan service where latency matters more than the report).
+        reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
+            pricing (at most half of ``time_limit``).
     """
 
     def __init__(
@@ -81,7 +95,13 @@ class Planner:
         cpsat: CpSatImprover | None | str = "default",
         min_improve_seconds: float = 0.2,
         improver: Improver | None = None,
+        bound: str = "tight",
+        reserve_seconds: float = 0.03,
     ) -> None:
+        if bound not in BOUNDS:
+            raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
+        if not reserve_seconds >= 0:
+            raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if model.ranks_per_node != ranks_per_node:
@@ -101,6 +121,8 @@ class Planner:
         self.cpsat: CpSatImprover | None = cpsat  # type: ignore[assignment]
         self.min_improve_seconds = min_improve_seconds
         self.improver = improver
+        self.bound = bound
+        self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
         self.solver_status_counts: Counter[str] = Counter()
         self.static_cp: int | None = None
         if policy in ("static", "dp-balanced"):
@@ -109,7 +131,9 @@ class Planner:
             self.static_cp = static_cp_size(max_length, self.topology)
 
     # ------------------------------------------------------------------------------ stages
-    def _construct(self, lengths: np.ndarray) -> tuple[StepPlan, GreedyConstructor | None]:
+    def _construct(
+        self, lengths: np.ndarray, deadline: float | None = None
+    ) -> tuple[StepPlan, GreedyConstructor | None]:
         topo, model = self.topology, self.model
         if self.policy == "dp-balanced":
             assert self.static_cp is not None
@@ -122,7 +146,7 @@ class Planner:
         if self.policy == "megatron":
             return megatron_plan(lengths, topo), None
         greedy = GreedyConstructor(lengths, topo, model)
-        return greedy.best(), greedy
+        return greedy.best(deadline=deadline), greedy
 
     def _run_cpsat(
         self, plan: StepPlan, cost: PlanCost, greedy: GreedyConstructor, start: float, stats: dict
@@ -191,24 +215,32 @@ class Planner:
     # ------------------------------------------------------------------------------ API
     def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
         """A validated plan for one global batch, with predictions and timings in ``stats``."""
+        start = time.perf_counter()
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
-        start = time.perf_counter()
-        plan, greedy = self._construct(lengths)
+        deadline = None if self.deterministic else start + self.time_limit - self.reserve_seconds
+        plan, greedy = self._construct(lengths, deadline)
         construct_seconds = time.perf_counter() - start
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
         cost = evaluate_plan(plan, self.model)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
+            stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
             if self.cpsat is not None:
                 plan, cost = self._run_cpsat(plan, cost, greedy, start, stats)
             if self.improver is not None:
                 plan, cost = self._run_improver(plan, cost)
-        elapsed = time.perf_counter() - start
+        t0 = time.perf_counter()
         plan.validate()
-        bound = lower_bound(lengths, self.topology, self.model)
-        stats["timings"].update(plan_seconds=elapsed, construct_seconds=construct_seconds)
+        t1 = time.perf_counter()
+        simple = lower_bound(lengths, self.topology, self.model)
+        bound, bound_info = simple, {"kind": "simple"}
+        if self.bound == "tight":
+            lp = lp_lower_bound(lengths, self.topology, self.model, simple=simple)
+            bound = lp.seconds
+            bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
+        t2 = time.perf_counter()
         plan.stats.update(stats)
         plan.stats.update(
             policy=self.policy,
@@ -217,6 +249,15 @@ class Planner:
             efficiency=cost.efficiency,
             waves=len(plan.waves),
             lower_bound_seconds=bound,
+            simple_lower_bound_seconds=simple,
             gap_to_lower_bound=cost.step_seconds / bound - 1.0 if bound > 0 else 0.0,
+            gap_to_simple_bound=cost.step_seconds / simple - 1.0 if simple > 0 else 0.0,
+            bound=bound_info,
+        )
+        plan.stats["timings"].update(
+            construct_seconds=construct_seconds,
+            validate_seconds=t1 - t0,
+            bound_seconds=t2 - t1,
+            plan_seconds=time.perf_counter() - start,
         )
         return plan
