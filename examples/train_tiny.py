@@ -1,6 +1,8 @@
 """Train a tiny decoder-only transformer (RoPE, GQA, causal) under dynamic CP.
 
-    torchrun --nproc-per-node 4 examples/train_tiny.py --steps 5            # CPU, gloo
+    torchrun --nproc-per-node 2 examples/train_tiny.py --steps 5            # CPU, gloo
+    torchrun --nproc-per-node 2 examples/train_tiny.py --steps 40 --calibrate \
+        --save-profile /tmp/calibrated.json                                 # online calibration
     torchrun --nproc-per-node 8 examples/train_tiny.py --backend nccl      # GPUs
 
 Every rank plans each step with the same deterministic dyncp planner (identical plans on every
@@ -8,6 +10,12 @@ rank, no communication needed), executes its share with the runtime, reduces the
 the DP x CP axis and steps the optimiser. Rank 0 prints the loss, the measured step time, the
 cost model's predicted step time and the measured and predicted imbalance. Document lengths are
 drawn from a bundled real distribution and truncated to ``--max-length``.
+
+With ``--calibrate``, every step's measured micro-batches are gathered to rank 0, which refits the
+cost model now and then (``dyncp.calibration.OnlineCalibrator``); an adopted version reaches every
+rank in the same collective, so all ranks re-plan with it from the next step on and keep running
+one plan. ``--save-profile`` writes the calibrated profile at the end, so the next run starts
+calibrated (``--profile PATH``).
 """
 
 from __future__ import annotations
@@ -20,11 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner
 from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
+from dyncp.runtime.measure import CollectiveCalibration
 from dyncp.sim.replay import admit, draw_batches
 from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
 
@@ -42,6 +52,9 @@ def main() -> None:
     p.add_argument("--backend", default="gloo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--calibrate", action="store_true", help="refit the cost model while training")
+    p.add_argument("--refit-every", type=int, default=32, help="micro-batches between refits")
+    p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     args = p.parse_args()
 
     dist.init_process_group(args.backend)
@@ -66,6 +79,14 @@ def main() -> None:
         deterministic=True,
         cpsat=None,
     )  # identical on every rank
+    calibration = None
+    if args.calibrate:
+        calibrator = OnlineCalibrator(
+            model_cost.profile, ranks_per_node=per_node, refit_every=args.refit_every,
+            min_measurements=min(32, args.refit_every),
+        )
+        calibration = CollectiveCalibration(pool, calibrator)
+        planner = VersionedPlanner(planner, ModelVersion(0, model_cost.profile))
     metrics = None
     if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
         metrics = Metrics(cp_sizes=planner.topology.group_sizes)
@@ -83,6 +104,7 @@ def main() -> None:
         lengths, steps=args.steps, seed=args.seed, global_batch_tokens=args.global_batch_tokens
     )
     gen = torch.Generator().manual_seed(args.seed)
+    seen_refits = 0
     for step, batch in enumerate(batches):
         plan = planner.plan(batch)
         tokens = [torch.randint(0, cfg.vocab, (int(s),), generator=gen) for s in batch]
@@ -120,6 +142,21 @@ def main() -> None:
         all_busy = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(all_busy, busy)
         busy_all = np.array([b.item() for b in all_busy])
+        new = None if calibration is None else calibration.step(plan, report)  # collective
+        if new is not None:  # the same version on every rank, from the next step on
+            planner = VersionedPlanner.rebuild(planner, new)
+        if calibration is not None and calibration.calibrator.refits > seen_refits:
+            seen_refits = calibration.calibrator.refits  # rank 0: a refit was tried this step
+            result, adopted = calibration.calibrator.history[-1]
+            print(
+                f"  refit: mean micro-batch error {result.error_before:.1%} -> "
+                f"{result.error_after:.1%} on {result.measurements} measurements "
+                f"({result.outliers} outliers), {'adopted' if adopted else 'kept the model'}"
+            )
+            if metrics is not None:
+                metrics.observe_calibration(
+                    result, adopted=adopted, version=calibration.current.version
+                )
         if metrics is not None:
             metrics.observe_step(plan)
             metrics.observe_measured_step(
@@ -134,9 +171,13 @@ def main() -> None:
             print(
                 f"step {step}: loss {loss.item():.4f}  docs {len(batch)}  waves {st['waves']}  "
                 f"cp sizes {sizes}  measured {seconds:.3f} s  "
-                f"predicted {st['predicted_step_seconds']:.3f} s ({args.profile})  imbalance "
+                f"predicted {st['predicted_step_seconds']:.3f} s ({args.profile} "
+                f"v{st.get('model_version', 0)})  imbalance "
                 f"measured {busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"
             )
+    if calibration is not None and calibration.is_fitter and args.save_profile:
+        path = calibration.calibrator.save(args.save_profile)
+        print(f"calibrated profile (model v{calibration.current.version}) written to {path}")
     dist.destroy_process_group()
 
 
