@@ -57,15 +57,17 @@ def test_shape_json_and_its_errors(tmp_path: Path) -> None:
 
 
 def test_coverage_warnings_name_what_is_not_measured() -> None:
-    assert coverage_warnings(GPT) == []
-    assert coverage_warnings(SHAPES["llama3-8b"]) == []
+    assert coverage_warnings(SHAPES["llama3-8b"]) == []  # 8 KV heads, measured with 2
+    (w,) = coverage_warnings(GPT)  # 16 KV heads, measured with 1
+    assert "num_kv_heads 16" in w and "1 KV head(s)" in w
+    assert coverage_warnings(replace(GPT, num_kv_heads=4)) == []
     (w,) = coverage_warnings(replace(GPT, num_heads=24, num_kv_heads=8))
     assert "num_heads 24 was not measured" in w
-    (w,) = coverage_warnings(replace(GPT, num_heads=128, num_kv_heads=8))
+    (w,) = coverage_warnings(replace(GPT, num_heads=128, num_kv_heads=16))
     assert "outside the measured 8..64" in w
-    (w,) = coverage_warnings(replace(GPT, head_dim=64))
+    (w,) = coverage_warnings(replace(GPT, head_dim=64, num_kv_heads=4))
     assert "head_dim 64" in w
-    (w,) = coverage_warnings(replace(GPT, dtype_bytes=4))
+    (w,) = coverage_warnings(replace(GPT, dtype_bytes=4, num_kv_heads=4))
     assert "dtype_bytes 4" in w
 
 

@@ -1,7 +1,7 @@
 """Build an H100 reference profile for any decoder shape from the measured data in ../shared.
 
     python -m dyncp.cost_model.reference                          # llama3-8b -> h100-reference
-    python -m dyncp.cost_model.reference --model megatron-dcp-gpt # -> profiles/h100-megatron-dcp-gpt
+    python -m dyncp.cost_model.reference --model megatron-dcp-gpt # h100-megatron-dcp-gpt
     python -m dyncp.cost_model.reference --model my-model.json --out profiles/mine.json
     python -m dyncp.cost_model.reference --analytic               # quadratic fit -> h100-analytic
 
@@ -59,6 +59,9 @@ WAVE_SECONDS = 1e-3
 MEASURED_HEADS = {64: "1", 32: "2", 16: "4", 8: "8"}
 MEASURED_HEAD_DIM = 128
 MEASURED_DTYPE_BYTES = 2
+# KV heads up to this multiple of the measured ones are taken as not changing kernel time (the
+# attention FLOPs are set by query heads); beyond it the profile says the data do not cover it.
+KV_HEADS_NO_CORRECTION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,14 @@ def coverage_warnings(shape: DecoderShape) -> list[str]:
             f"num_heads {shape.num_heads} was not measured (measured: "
             f"{', '.join(str(h) for h in sorted(MEASURED_HEADS))}): attention time interpolated "
             "in proportion to heads"
+        )
+    heads = _measured_heads(shape.num_heads)
+    measured_kv = max(4 // int(MEASURED_HEADS[heads]), 1)
+    if shape.num_kv_heads > KV_HEADS_NO_CORRECTION * measured_kv:
+        out.append(
+            f"num_kv_heads {shape.num_kv_heads}: the {heads}-head kernel rows were measured with "
+            f"{measured_kv} KV head(s); kernel time is not corrected for the extra K/V reads "
+            "(ring traffic does use the model's KV heads)"
         )
     if shape.head_dim != MEASURED_HEAD_DIM:
         out.append(
