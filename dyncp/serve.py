@@ -8,6 +8,11 @@ It connects to the job's TCPStore as a client and publishes the plans the job's 
 (every rank passes ``store=..., prefix=..., serve=False``). Batching options must be the job's:
 a plan for another batch is rejected by the readers, which then fall back (and count it). Stops
 on SIGINT/SIGTERM or after ``--duration`` seconds, and prints its counters.
+
+``--calibrate``: the service also refits the cost model from the measurements the trainers push
+(``dyncp.runtime.measure.StoreMeasurements``), publishes each adopted version in the Store before
+pricing plans with it (readers' fallbacks name the version they use), and with
+``--save-profile`` writes the calibrated profile after each adopted refit.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dyncp.calibration import OnlineCalibrator
 from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.model_channel import ServiceCalibration
 from dyncp.plan import Topology
 from dyncp.planner import POLICIES, Planner
 from dyncp.sampler import OVERLONG, BatchSchedule
@@ -51,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=2)
     p.add_argument("--duration", type=float, default=0.0, help="stop after N seconds (0: never)")
     p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
+    p.add_argument("--refit-every", type=int, default=64, help="micro-batches between refits")
+    p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     return p.parse_args(argv)
 
 
@@ -80,8 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(
         args.host, args.port, is_master=False, timeout=timedelta(seconds=args.connect_timeout)
     )
+    calibration = None
+    if args.calibrate:
+        calibrator = OnlineCalibrator(
+            model.profile, ranks_per_node=args.ranks_per_node, refit_every=args.refit_every
+        )
+        calibration = ServiceCalibration(
+            store, args.prefix, calibrator, save_path=args.save_profile
+        )
     service = PlanService(
-        store, source=schedule, planner=planner, prefix=args.prefix, lookahead=args.lookahead
+        store,
+        source=schedule,
+        planner=planner,
+        prefix=args.prefix,
+        lookahead=args.lookahead,
+        calibration=calibration,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait(args.duration or None)
     service.stop()
     print(f"dyncp.serve: {service.counters}", flush=True)
+    if calibration is not None:
+        cal = calibration.calibrator
+        print(
+            f"dyncp.serve: cost model v{cal.current.version} after {cal.refits} refits "
+            f"({cal.buffer.seen} micro-batches measured, {cal.rejected} records rejected)",
+            flush=True,
+        )
     return 0
 
 
