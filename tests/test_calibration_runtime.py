@@ -4,6 +4,8 @@ runs the same plan (same digest) with the new model version."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -77,3 +79,93 @@ def test_every_rank_switches_model_at_the_same_step_and_runs_one_plan():
     assert a["versions"] == b["versions"]
     assert max(v for v, _ in a["versions"]) >= 1  # a refit was adopted and used
     assert a["measured"] and all(s > 0 for s in a["measured"])
+
+
+def _store_worker(rank: int, world: int) -> dict:
+    """The plan-service path: rank 0 serves and calibrates, every rank reads plans from a
+    TCPStore and pushes its measurements through it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dyncp.model_channel import MeasurementChannel, ModelChannel, ServiceCalibration
+    from dyncp.plan_auth import PlanSigner
+    from dyncp.runtime.measure import StoreMeasurements
+    from dyncp.sampler import BatchSchedule
+    from dyncp.service import PlanClient, PlanService
+
+    secret = b"calibration-test-secret-0123456789"
+    port = [None]
+    master = None
+    if rank == 0:
+        master = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=30),
+                               wait_for_workers=False)
+        port[0] = master.port
+    dist.broadcast_object_list(port, src=0)
+    store = master or dist.TCPStore("127.0.0.1", port[0], world, False, timedelta(seconds=30))
+    pool = GroupPool()
+    profile = load_profile("cpu-gloo")
+    planner = Planner(
+        CostModel(profile, world), world=world, ranks_per_node=world, capacity=256,
+        deterministic=True, cpsat=None,
+    )
+    rng = np.random.default_rng(0)
+    schedule = BatchSchedule(
+        rng.integers(8, 400, size=400), max_length=world * 256, seed=0, shuffle=True,
+        global_batch_tokens=2 * world * 256,
+    )
+    signer = PlanSigner(secret)
+    client = PlanClient(
+        store, source=schedule, planner=planner, prefix="cal", rank=rank, deadline=30.0,
+        secret=secret, models=ModelChannel(store, "cal", signer=signer),
+    )
+    service = None
+    if rank == 0:
+        calibrator = OnlineCalibrator(profile, ranks_per_node=world, refit_every=8,
+                                      min_measurements=8, min_gain=0.0)
+        service = PlanService(
+            store, source=schedule, planner=planner, prefix="cal", lookahead=0, secret=secret,
+            calibration=ServiceCalibration(store, "cal", calibrator, signer=signer,
+                                           interval=0.0),
+        ).start()
+    pusher = StoreMeasurements(pool, MeasurementChannel(store, "cal", signer=signer))
+    torch.manual_seed(0)
+    model = TinyDecoder(CFG)
+    out = {"digests": [], "versions": []}
+    for step in range(8):
+        fetched = client.fetch(0, step)
+        plan = fetched.plan
+        gen = torch.Generator().manual_seed(step)
+        tokens = [torch.randint(0, CFG.vocab, (s,), generator=gen) for s in plan.lengths]
+
+        def step_fn(ctx, tokens=tokens) -> None:
+            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
+            labels = next_token_labels(packed, ctx.seqlens)
+            loss = model.loss_sum(
+                ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
+            )
+            (loss * ctx.loss_scale).backward()
+
+        report = execute(plan, pool, step_fn)
+        pusher.step(step, plan, report)
+        if rank == 0 and step == 3:  # let the service drain and refit before planning on
+            end = time.monotonic() + 30
+            while ModelChannel(store, "cal", signer=signer).latest() is None:
+                assert time.monotonic() < end, "no refit adopted"
+                time.sleep(0.01)
+        dist.barrier()
+        out["digests"].append(plan_digest(plan))
+        out["versions"].append((fetched.source, plan.stats.get("model_version")))
+    if service is not None:
+        service.stop()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_service_path_calibrates_from_pushed_measurements_with_one_plan_per_step():
+    a, b = run_gloo(_store_worker, world=2, timeout=150)
+    assert a["digests"] == b["digests"]
+    assert a["versions"] == b["versions"]
+    assert all(src == "service" for src, _ in a["versions"])
+    assert a["versions"][0][1] == 0 and a["versions"][-1][1] >= 1
