@@ -21,7 +21,7 @@ from dyncp.calibration import (
     decode_measurements,
     encode_measurements,
 )
-from dyncp.cost_model import CostModel, ProfileError, load_profile
+from dyncp.cost_model import CostModel, Profile, ProfileError, load_profile
 from dyncp.cost_model.calibrate import (
     CalibrationError,
     Measurement,
@@ -123,6 +123,22 @@ def test_calibration_recovers_the_true_model_within_eight_steps():
     result = cal.last
     assert result is not None and result.error_after < result.error_before
     assert result.outliers >= 5
+
+
+def test_the_fit_chooses_the_overlap_rule_the_measurements_follow():
+    """A machine whose ring transfers do not overlap compute (as on a CPU, where both take the
+    same cores): the refit switches the rule and predicts it within 3%."""
+    data = json.loads(true_profile().to_json())
+    data["communication"]["overlap"] = False
+    truth = CostModel(Profile.model_validate(data), RPN)
+    rng = np.random.default_rng(8)
+    ms = []
+    for _ in range(8):
+        ms += synthetic_step(rng, truth, noise=0.02, outliers=0.0)[0]
+    res = fit_profile(PROFILE, ms, ranks_per_node=RPN)
+    assert PROFILE.communication.overlap and res.overlap is False
+    assert not res.profile.communication.overlap
+    assert mean_error(CostModel(res.profile, RPN), truth) < 0.03
 
 
 def test_calibration_is_deterministic():

@@ -2,7 +2,7 @@
 
 A profile is a property of one machine at one time; the runtime measures every micro-batch it
 runs. :func:`fit_profile` turns those measurements into a new :class:`Profile` whose predictions
-match them, keeping the profile's *form* (attention table shape, padding, overlap rule) and
+match them, keeping the profile's *form* (attention table shape, padding, communication kind) and
 refitting its *coefficients*:
 
 =========================  ===============================================================
@@ -32,6 +32,11 @@ Why it cannot be dragged far by bad measurements:
   measurements say nothing about (no CP-4 micro-batch seen yet: no intra-node ring latency to
   learn) keeps its profiled value instead of wandering;
 - coefficients are bounded at >= 0 and every result is checked finite before a Profile is built.
+
+One assumption of the form is settled by the data too: whether a ring step's transfer overlaps
+its compute (``communication.overlap``). Where rings were measured, both rules are fitted and the
+one with the smaller median error is kept (a CPU ring on gloo, where transfers take the same cores
+as compute, need not overlap as a GPU ring does).
 
 The fit is deterministic: same profile, same measurements in the same order, same result.
 """
@@ -207,7 +212,7 @@ def _coefficients(model: CostModel, sizes: Sequence[int]) -> np.ndarray:
     )
 
 
-def _predict(theta: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
+def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -> np.ndarray:
     """CostModel._seconds written in the coefficients ``theta`` (same formula, vectorised)."""
     lin, att, seq, k, mb = theta[:5]
     lat_all, ibw_all = theta[5::2], theta[6::2]
@@ -226,7 +231,7 @@ def _predict(theta: np.ndarray, f: _Features, model: CostModel) -> np.ndarray:
         bwd = model.bwd_bytes
         comm_b = lat + bwd * block
         home = lat + max(bwd - 1.0, 0.0) * block
-        if model.overlap:
+        if overlap:
             comp_f = step * model.fwd_fraction
             layer = (
                 step
@@ -281,6 +286,7 @@ class CalibrationResult:
     outliers: int
     by_cp: dict[int, int] = field(default_factory=dict)
     wave_measurements: int = 0
+    overlap: bool = True  # the overlap rule the fit kept
 
 
 def prediction_errors(model: CostModel, ms: Sequence[Measurement]) -> np.ndarray:
@@ -295,12 +301,13 @@ def _solve(
     scale: np.ndarray,
     start: np.ndarray,
     loss: str,
+    overlap: bool,
 ) -> np.ndarray:
     x_prior = theta0 / scale
     prior_norm = np.maximum(x_prior, 1.0)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        pred = _predict(x * scale, f, model)
+        pred = _predict(x * scale, f, model, overlap)
         return np.concatenate(
             [pred / f.measured - 1.0, PRIOR_WEIGHT * (x - x_prior) / prior_norm]
         )
@@ -349,19 +356,33 @@ def fit_profile(
     f = _features(model, ms, sizes)
     theta0 = _coefficients(model, sizes)
     scale = _scales(theta0, f, model, sizes)
-    first = _solve(f, model, theta0, scale, theta0, "cauchy")
-    r = _predict(first, f, model) / f.measured - 1.0
-    med = float(np.median(r))
-    mad = float(np.median(np.abs(r - med)))
-    keep = np.abs(r - med) <= max(3 * 1.4826 * mad, F_SCALE)
-    theta = _solve(f.subset(keep), model, theta0, scale, first, "soft_l1")
-    if not np.isfinite(theta).all():  # least_squares keeps iterates finite; this is a guard
-        theta = theta0
+
+    def fit(overlap: bool) -> tuple[np.ndarray, np.ndarray, float]:
+        first = _solve(f, model, theta0, scale, theta0, "cauchy", overlap)
+        r = _predict(first, f, model, overlap) / f.measured - 1.0
+        med = float(np.median(r))
+        mad = float(np.median(np.abs(r - med)))
+        keep = np.abs(r - med) <= max(3 * 1.4826 * mad, F_SCALE)
+        theta = _solve(f.subset(keep), model, theta0, scale, first, "soft_l1", overlap)
+        if not np.isfinite(theta).all():  # least_squares keeps iterates finite; a guard
+            theta = theta0
+        fitted = _predict(theta, f, model, overlap) / f.measured - 1.0
+        return theta, keep, float(np.median(np.abs(fitted)))
+
+    # The overlap rule is part of the form, and the one assumption measurements can settle:
+    # where rings were measured, both rules are fitted and the one that predicts better (median
+    # |error| over all measurements) is kept; a tie keeps the profile's.
+    overlap = model.overlap
+    theta, keep, score = fit(overlap)
+    if sizes and not model.all_to_all:
+        other = fit(not overlap)
+        if other[2] < score - 1e-9:
+            overlap, (theta, keep, score) = not overlap, other
     wave = profile.overheads.wave_seconds
     if waves:
         gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
         wave = float(np.median(gaps))
-    new = _apply(profile, theta, wave, sizes, model)
+    new = _apply(profile, theta, wave, sizes, model, overlap)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k in zip(ms, keep) if k]
     before = float(np.mean(np.abs(prediction_errors(model, inliers))))
@@ -382,6 +403,7 @@ def fit_profile(
         outliers=int((~keep).sum()),
         by_cp=by_cp,
         wave_measurements=len(waves),
+        overlap=overlap,
     )
 
 
@@ -404,6 +426,7 @@ def _apply(
     wave: float,
     sizes: Sequence[int],
     model: CostModel,
+    overlap: bool | None = None,
 ) -> Profile:
     """A copy of ``profile`` with the fitted coefficients written into its fields.
 
@@ -441,6 +464,8 @@ def _apply(
                 }
             )
         data["communication"]["links"] = links
+    if overlap is not None:
+        data["communication"]["overlap"] = overlap
     data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
     return Profile.model_validate(data)
 
