@@ -15,7 +15,12 @@ What it measures, per transformer layer of the model shape (``--model``):
 - under torchrun with several ranks: one ring step (batched send/recv of a K/V block to the next
   rank) for each group size and a range of message sizes -> latency and bandwidth per step; all
   ranks measure at the same time, so a shared machine's contention is part of the numbers;
-- the synchronisation at a wave boundary (the executor's status exchange) -> the wave constant.
+- the synchronisation at a wave boundary (the executor's status exchange) -> the wave constant;
+- finally, packs of real document lengths filling ``--capacity`` tokens per rank at every CP size
+  (``--calibration-packs`` per size, as ``dyncp.cost_model.validate`` runs them but other packs):
+  the profile built from the pieces above is the prior of a robust refit to these
+  (``dyncp.cost_model.calibrate.fit_profile``), so the coefficients describe whole micro-batches
+  as training runs them, and settle whether ring transfers overlap compute on this machine.
 
 Every fit's relative error is written into the provenance. The run stops measuring new points
 when ``--max-seconds`` is spent (the grid is walked short to long), and prints progress on rank 0.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import statistics
@@ -38,7 +44,10 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from dyncp.cost_model.calibrate import Measurement, fit_profile
+from dyncp.cost_model.packs import measure_packs, ring_sizes
 from dyncp.cost_model.schema import Profile, RunContext
+from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.ring_attention import make_ring_layout, ring_attention, zigzag_positions, zigzag_shard
 from dyncp.ring_attention.comm import ring_exchange
 from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
@@ -456,6 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-length", type=int, default=4096, help="longest attention length")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-seconds", type=float, default=120.0, help="measurement time budget")
+    p.add_argument(
+        "--calibration-packs", type=int, default=8,
+        help="real-length packs per CP size for the final refit (0: none)",
+    )
+    p.add_argument("--capacity", type=int, default=1024, help="tokens per rank of those packs")
+    p.add_argument("--dataset", default="wikipedia", help="lengths those packs are drawn from")
     args = p.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -496,15 +511,46 @@ def main(argv: list[str] | None = None) -> None:
             f"torchrun --nproc-per-node {dist.get_world_size()} -m dyncp.cost_model.profile "
             + command.split(" ", 3)[-1]
         )
+    packs: list[Measurement] = []
+    if args.calibration_packs > 0:
+        log(f"  timing {args.calibration_packs} real-length packs per CP size for the refit")
+        torch.manual_seed(1)
+        packs = measure_packs(
+            TinyDecoder(MODELS[args.model]).to(device=device, dtype=dtype),
+            pool=load_lengths(resolve_dataset(args.dataset)),
+            sizes=ring_sizes(dist.get_world_size() if distributed else 1),
+            capacity=args.capacity,
+            cases=args.calibration_packs,
+            repeats=args.repeats,
+            rng=np.random.default_rng(1),  # validation draws its packs from seed 0
+            device=device,
+        )
     if rank == 0:
+        name = args.name or args.out.stem
         profile = build_profile(
-            args.name or args.out.stem,
+            name,
             MODELS[args.model],
             raw,
             dtype=dtype,
             device=device,
             command=command,
         )
+        if packs:
+            world = dist.get_world_size() if distributed else 1
+            fit = fit_profile(
+                profile,
+                packs,
+                ranks_per_node=world,
+                min_measurements=1,
+                source=f"the profiler's {len(packs)} packs of real {args.dataset} lengths",
+            )
+            profile = Profile.model_validate(
+                json.loads(fit.profile.to_json()) | {"name": name}
+            )
+            log(
+                f"  refit to the packs: mean error {fit.error_before:.1%} -> "
+                f"{fit.error_after:.1%}, overlap {fit.overlap}"
+            )
         args.out.write_text(profile.to_json())
         log(f"wrote {args.out}")
     if distributed:

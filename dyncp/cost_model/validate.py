@@ -21,36 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.packs import measure_packs, random_pack, ring_sizes
 from dyncp.cost_model.profile import run_context
 from dyncp.cost_model.schema import Profile, ProfileError, RunContext
 from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing import TinyConfig, TinyDecoder
 
 __all__ = ["main", "random_pack", "setup_differences"]
-
-
-def random_pack(pool: np.ndarray, cp: int, capacity: int, rng: np.random.Generator) -> list[int]:
-    """Lengths drawn from ``pool`` until the next would overflow ``capacity`` tokens per rank."""
-    out: list[int] = []
-    tokens = 0
-    unit = 1 if cp == 1 else 2 * cp
-    while True:
-        s = int(min(rng.choice(pool), cp * capacity))
-        padded = -(-s // unit) * unit
-        if tokens + padded > cp * capacity:
-            return out or [s]
-        out.append(s)
-        tokens += padded
 
 
 def setup_differences(profile: Profile, run: RunContext) -> list[str] | None:
@@ -131,43 +115,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = TinyDecoder(cfg).to(dtype)
     pool = load_lengths(resolve_dataset(args.dataset))
-    rng = np.random.default_rng(0)
-    sizes = [c for c in (1, 2, 4, 8) if c <= world and world % c == 0]
-    groups = {
-        c: [dist.new_group(list(range(b, b + c))) for b in range(0, world, c)]
-        for c in sizes
-        if c > 1
-    }
-    rows = []
-    for cp in sizes:
-        group = None if cp == 1 else groups[cp][rank // cp]
-        for _ in range(args.cases):
-            seqlens = random_pack(pool, cp, args.capacity, rng)
-            tokens = torch.randint(0, cfg.vocab, (sum(seqlens),))
-            labels = next_token_labels(tokens, seqlens)
-            me = rank % cp
-            layout = make_ring_layout(seqlens=seqlens, cp=cp, group=group, rank=rank)
-            tok = zigzag_shard(tokens, seqlens=seqlens, cp=cp, rank=me)
-            lab = zigzag_shard(labels, seqlens=seqlens, cp=cp, rank=me, pad_value=-100)
-            pos = zigzag_positions(seqlens=seqlens, cp=cp, rank=me)
-
-            def step(tok=tok, lab=lab, pos=pos, layout=layout) -> None:
-                model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
-
-            times = []
-            for r in range(args.repeats + 1):
-                if distributed:
-                    dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                if distributed:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if r:  # the first run is a warm-up
-                    times.append(float(t.item()))
-            measured = statistics.median(times)
-            predicted = model_cost.microbatch_seconds(cp, seqlens)
-            rows.append((cp, len(seqlens), sum(seqlens), measured, predicted))
+    sizes = ring_sizes(world)
+    measured = measure_packs(
+        model,
+        pool=pool,
+        sizes=sizes,
+        capacity=args.capacity,
+        cases=args.cases,
+        repeats=args.repeats,
+        rng=np.random.default_rng(0),  # the profiler calibrates on seed 1: other packs
+    )
+    predict = model_cost.microbatch_seconds
+    rows = [
+        (m.cp, len(m.lengths), sum(m.lengths), m.seconds, predict(m.cp, m.lengths))
+        for m in measured
+    ]
     if rank == 0:
         print(
             f"profile {args.profile}, {world} processes, capacity {args.capacity}, "
