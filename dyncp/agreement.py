@@ -4,8 +4,9 @@ The sampler (before the first micro-batch of a step is yielded) and ``runtime.ex
 the first collective of a step) call :func:`agree` with where they are (e.g. epoch and step) and
 the digest of the plan they are about to run. One synchronous all_gather of a few int64 on a CPU
 (gloo) group compares them; if any rank is elsewhere or holds another plan, every rank raises the
-same :class:`PlanMismatchError`, in that step, naming the ranks and the digests. A rank that never
-arrives makes the others raise :class:`PlanAgreementError` after the group's timeout.
+same :class:`PlanMismatchError` (one message, the same everywhere), in that step, naming the
+ranks and the digests. A rank that never arrives makes the others raise
+:class:`PlanAgreementError` after the group's timeout.
 """
 
 from __future__ import annotations
@@ -73,22 +74,20 @@ def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str)
     if len(set(rows)) == 1:
         return
     counts = {row: rows.count(row) for row in rows}
-    mine_row = rows[ranks.index(dist.get_rank())] if dist.get_rank() in ranks else rows[0]
     majority = max(counts, key=lambda row: (counts[row], row == rows[0]))
     odd = [r for r, row in zip(ranks, rows) if row != majority]
     digests = [row[-1] for row in rows]
+    detail = ""
     if any(row[:-1] != majority[:-1] for row in rows):
         at = {r: row[:-1] for r, row in zip(ranks, rows) if row[:-1] != majority[:-1]}
-        detail = f"ranks {odd} are at positions {at}, the others at {majority[:-1]}"
-    else:
-        detail = f"ranks {odd} hold another plan than the others"
+        detail = f"; they are at {at}, the others at {majority[:-1]}"
     shown = sorted({format_digest(d) for d in digests})
     raise PlanMismatchError(
-        f"{label}: ranks {odd} executed a different plan from the other ranks: {detail} "
+        f"{label}: ranks {odd} executed a different plan from the other ranks{detail} "
         f"(digests {' vs '.join(shown)}; by rank: "
-        f"{dict(zip(ranks, (format_digest(d) for d in digests)))}; this rank's "
-        f"{format_digest(mine_row[-1])}); check that every rank has the same lengths, seed, "
-        "batch size and planner, and that nobody else writes the job's Store",
+        f"{dict(zip(ranks, (format_digest(d) for d in digests)))}); check that every rank has "
+        "the same lengths, seed, batch size and planner, and that nobody else writes the "
+        "job's Store",
         odd,
         digests,
     )

@@ -20,6 +20,7 @@ divided by c are at most ``capacity`` tokens per rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ __all__ = [
     "StepPlan",
     "PlanError",
     "padded_length",
+    "plan_digest",
 ]
 
 SCHEMA_VERSION = 1
@@ -58,6 +60,14 @@ def padded_length(length: int, cp: int) -> int:
         return int(length)
     unit = 2 * cp
     return -(-int(length) // unit) * unit
+
+
+def plan_digest(plan: StepPlan) -> int:
+    """64-bit signed digest of what a plan executes (topology, batch, waves; not stats)."""
+    data = plan.to_dict()
+    body = {k: data[k] for k in ("topology", "lengths", "sample_ids", "waves")}
+    raw = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
 
 
 def _is_power_of_two(n: int) -> bool:

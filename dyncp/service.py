@@ -32,8 +32,6 @@ logs C++ warnings on every fallback, and a blocked wait holds the client's conne
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -44,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 
 from dyncp.agreement import PlanMismatchError
-from dyncp.plan import PlanError, StepPlan, Topology
+from dyncp.plan import PlanError, StepPlan, Topology, plan_digest
 from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
 from dyncp.planner.planner import Planner
 
@@ -96,14 +94,6 @@ def step_key(prefix: str, epoch: int, step: int) -> str:
 
 def _cursor_key(prefix: str) -> str:
     return f"dyncp/{prefix}/cursor"
-
-
-def plan_digest(plan: StepPlan) -> int:
-    """64-bit signed digest of what a plan executes (topology, batch, waves; not stats)."""
-    data = plan.to_dict()
-    body = {k: data[k] for k in ("topology", "lengths", "sample_ids", "waves")}
-    raw = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little", signed=True)
 
 
 def fallback_planner(planner: Planner) -> Planner:

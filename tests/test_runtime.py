@@ -177,7 +177,9 @@ def test_wrong_plans_refused_before_any_collective() -> None:
         assert messages[1].startswith("group-pool") and "[0, 1, 2, 3]" in messages[1]
 
 
-def _fail_worker(rank: int, world: int, plan_json: str, bad_rank: int, bad_wave: int) -> str:
+def _fail_worker(
+    rank: int, world: int, plan_json: str, bad_rank: int, bad_wave: int
+) -> tuple[str, list]:
     pool = GroupPool()
     plan = StepPlan.from_json(plan_json)
 
@@ -193,8 +195,8 @@ def _fail_worker(rank: int, world: int, plan_json: str, bad_rank: int, bad_wave:
     try:
         execute(plan, pool, step_fn)
     except StepFailed as exc:
-        return str(exc)
-    return "no error"
+        return str(exc), list(exc.ranks)
+    return "no error", []
 
 
 @pytest.mark.parametrize("bad_rank,bad_wave", [(3, 1), (1, 1)], ids=["single-rank", "ring-peer"])
@@ -207,11 +209,12 @@ def test_failing_step_fails_every_rank(bad_rank: int, bad_wave: int) -> None:
         timeout=120,
         pg_timeout=8,
     )
-    # Every rank raised StepFailed (anything else fails run_gloo); the failing rank's message
-    # carries the user's error, the others name the failing rank or the broken exchange.
-    assert "boom from the user's step" in results[bad_rank]
-    for message in results:
-        assert f"rank(s) [{bad_rank}]" in message or "status exchange failed" in message, message
+    # Every rank raised StepFailed (anything else fails run_gloo) naming the failing rank and
+    # carrying its error, including the ring peer that was blocked on it.
+    for message, ranks in results:
+        assert f"rank {bad_rank} failed in wave {bad_wave}" in message, message
+        assert "ValueError: boom from the user's step" in message, message
+        assert ranks == [bad_rank]
 
 
 def test_spawn_error_reports_the_rank() -> None:

@@ -13,30 +13,41 @@ multiplies the *sum* of its token losses by it, the gradients summed over all DP
 exactly the gradients of the global batch's mean token loss on one device: every label token is
 counted once, on the one rank whose shard holds it, with the same weight, whatever the CP sizes.
 
-Safety: the plan is validated, and every group it needs checked against the pool, before any
-collective is issued, so a wrong plan makes every rank raise the same error instead of hanging.
-Between waves the ranks exchange their status (the synchronisation point where group membership
-changes): if ``step_fn`` raised on some rank, every rank raises an error naming it. A rank blocked
-on a failed ring peer is released by the process group's timeout, so a failure is bounded by it.
+Safety, in the order it happens:
+
+1. One plan per step: before the first collective, the ranks compare (call number, plan digest)
+   in one all_gather on the pool's CPU control group; a rank on another plan or another step
+   makes every rank raise :class:`PlanMismatchError` naming it and the digests.
+2. The plan is validated, and every group it needs checked against the pool, before any ring
+   collective, so a wrong plan makes every rank raise the same PlanError instead of hanging.
+3. Between waves the ranks exchange their status (the synchronisation point where group
+   membership changes). A rank whose ``step_fn`` raises leaves its error in the Store and raises
+   at once; the others see it while they wait at the exchange, or after their ring collectives
+   with it time out (the pool's timeout T), and raise :class:`StepFailed` naming it. A rank that
+   hangs, exits or skips ``execute`` is named as the one that stopped responding. Every rank
+   raises within 2 T of the failure. After a StepFailed the pool's groups may hold broken
+   connections: tear the job down (or re-create the process groups) before the next step.
 """
 
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from dyncp.plan import PlanError, StepPlan
+from dyncp.agreement import PlanAgreementError, PlanMismatchError, agree
+from dyncp.plan import PlanError, StepPlan, plan_digest
 from dyncp.ring_attention import RingLayout, make_ring_layout, zigzag_positions, zigzag_shard
+from dyncp.runtime.failures import FailureBoard, is_communication_error
 from dyncp.runtime.group_pool import GroupPool
 
 __all__ = [
     "MicroBatchContext",
     "MicroBatchTiming",
+    "PlanMismatchError",
     "RankReport",
     "StepFailed",
     "execute",
@@ -45,7 +56,16 @@ __all__ = [
 
 
 class StepFailed(RuntimeError):
-    """``step_fn`` raised on at least one rank; raised on every rank of the axis."""
+    """A rank failed the step (``step_fn`` raised, or it hung, exited or skipped ``execute``);
+    raised on every rank of the axis.
+
+    Attributes:
+        ranks: the global ranks named as the cause (empty when no rank could be named).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 def label_tokens(lengths: Sequence[int]) -> list[int]:
@@ -142,17 +162,35 @@ def execute(
     """Run this rank's share of ``plan``.
 
     Args:
-        plan: the step's plan (identical on every rank).
+        plan: the step's plan (identical on every rank; checked).
         pool: the pre-built groups.
         step_fn: forward + backward of one micro-batch; called with its context.
         labels_per_sequence: label tokens of each sequence (default: length - 1).
         synchronize: called before reading the clock (e.g. ``torch.cuda.synchronize``).
 
     Raises:
+        PlanMismatchError: some rank holds another plan, or is at another ``execute`` call (on
+            every rank, before any other collective, naming the ranks and the digests).
         PlanError: the plan breaks the contract or needs a group the pool lacks (before any
-            communication, identically on every rank).
-        StepFailed: ``step_fn`` raised on some rank (on every rank, naming it).
+            ring collective, identically on every rank).
+        StepFailed: a rank failed the step (on every rank within twice the pool's timeout,
+            naming it and its error where known).
     """
+    me = pool.position
+    if me is None:
+        raise ValueError("this rank is not on the pool's DP x CP axis")
+    call = pool.calls
+    pool.calls += 1
+    board = FailureBoard(pool.store, call=call, world=pool.world, names=pool.ranks)
+    label = f"execute call {call}"
+    entry = time.monotonic()
+    try:
+        agree(pool.control_group, where=(call,), digest=plan_digest(plan), label=label)
+    except PlanAgreementError as exc:
+        board.report_ok(-1, me)
+        until = max(entry + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
+        culprit = board.culprit(-1, suspects=None, until=until, label=label)
+        raise StepFailed(culprit.message, culprit.ranks) from exc
     _check(plan, pool)
     labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
     if len(labels) != len(plan.lengths):
@@ -161,14 +199,10 @@ def execute(
     if total <= 0:
         raise ValueError("the global batch has no label tokens; nothing to train on")
     scale = 1.0 / total
-    me = pool.position
-    if me is None:
-        raise ValueError("this rank is not on the pool's DP x CP axis")
     report = RankReport()
     step_start = time.perf_counter()
     for w, wave in enumerate(plan.waves):
         wave_start = time.perf_counter()
-        error: str | None = None
         group = next((g for g in wave.groups if g.start <= me < g.start + g.size), None)
         if group is not None:
             pg = pool.group(group.start, group.size)
@@ -194,9 +228,8 @@ def execute(
                     step_fn(ctx)
                     if synchronize is not None:
                         synchronize()
-                except Exception as exc:  # reported to every rank below
-                    error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
-                    break
+                except Exception as exc:
+                    _fail(board, pool, w, group.start, group.size, exc, time.perf_counter() - t0)
                 seconds = time.perf_counter() - t0
                 report.microbatches.append((w, group.size, seconds))
                 report.timings.append(
@@ -204,22 +237,77 @@ def execute(
                 )
                 report.busy_seconds += seconds
         t0 = time.perf_counter()
-        statuses: list[str | None] = [None] * pool.world
-        try:
-            dist.all_gather_object(statuses, error, group=pool.axis_group)
-        except RuntimeError as exc:  # a peer died or timed out: the exchange itself broke
-            raise StepFailed(
-                f"wave {w}: the step status exchange failed ({exc}); this rank's error: "
-                f"{error or 'none'}"
-            ) from exc
+        _exchange(board, pool, w)
         report.idle_seconds += time.perf_counter() - t0
         report.wave_seconds.append(time.perf_counter() - wave_start)
-        failed = {pool.ranks[r]: s for r, s in enumerate(statuses) if s is not None}
-        if failed:
-            first = min(failed)
-            raise StepFailed(
-                f"step_fn failed on rank(s) {sorted(failed)} in wave {w}; rank {first}: "
-                f"{failed[first]}"
-            )
     report.step_seconds = time.perf_counter() - step_start
     return report
+
+
+def _fail(
+    board: FailureBoard,
+    pool: GroupPool,
+    wave: int,
+    start: int,
+    size: int,
+    exc: Exception,
+    waited: float,
+) -> None:
+    """``step_fn`` raised here: leave the error for the others and raise StepFailed now."""
+    me = pool.position
+    assert me is not None
+    board.report_error(wave, me, exc, waited)
+    label = f"execute call {board.call}"
+    if is_communication_error(exc):  # a ring peer failed first: name it if it said so
+        ring = tuple(range(start, start + size))
+        until = time.monotonic() + pool.timeout / 4  # the ring's members time out together
+        culprit = board.culprit(wave, suspects=ring, until=until, label=label)
+        raise StepFailed(culprit.message, culprit.ranks) from exc
+    raise StepFailed(
+        f"{label}: rank {pool.ranks[me]} failed in wave {wave}: {type(exc).__name__}: {exc}",
+        (pool.ranks[me],),
+    ) from exc
+
+
+def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
+    """The wave's synchronisation point: every rank got here, or StepFailed names who did not.
+
+    One all_gather on the control group; while it is pending the Store is looked at now and
+    then, so a rank that already reported an error releases the others at once.
+    """
+    me = pool.position
+    assert me is not None
+    label = f"execute call {board.call}"
+    flag = torch.zeros(1, dtype=torch.int64)
+    out = [torch.empty_like(flag) for _ in range(pool.world)]
+    start = time.monotonic()
+    try:
+        work = dist.all_gather(out, flag, group=pool.control_group, async_op=True)
+        pause, next_look = 2e-5, start + STORE_LOOK_SECONDS
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + STORE_LOOK_SECONDS
+                if board.first() is not None:
+                    board.report_ok(wave, me)
+                    until = now + pool.timeout / 4
+                    culprit = board.culprit(wave, suspects=None, until=until, label=label)
+                    raise StepFailed(culprit.message, culprit.ranks)
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        work.wait()
+    except RuntimeError as exc:
+        if isinstance(exc, StepFailed):
+            raise
+        board.report_ok(wave, me)
+        until = max(start + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
+        culprit = board.culprit(wave, suspects=None, until=until, label=label)
+        raise StepFailed(culprit.message, culprit.ranks) from exc
+
+
+#: After a collective on the control group failed, survivors are waited for until this many
+#: timeouts after this rank entered it: a survivor blocked in the same collective is released
+#: by the timeout (1) and then reports; the rest is margin. Below 2, the bound every rank keeps.
+SURVIVOR_WAIT = 1.25
+#: How often a rank waiting at a wave's exchange looks in the Store for a reported failure.
+STORE_LOOK_SECONDS = 0.05

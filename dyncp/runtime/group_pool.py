@@ -12,17 +12,43 @@ On NCCL ``torch.distributed.split_group`` is used when this torch has it (one co
 instead of one bootstrap per group); gloo and older torch use ``new_group``. Each group this rank
 belongs to is warmed up with a tiny all_reduce, so the first training step does not pay for lazy
 communicator initialisation.
+
+Failures are bounded by one timeout: every group the pool creates (rings, and a CPU ``gloo``
+control group over the axis for plan agreement and status exchange) uses ``timeout`` seconds,
+by default the job's own (the default process group's), never torch's 30-minute default. The
+pool also holds a namespace in the job's Store where a failing rank leaves its error, so that
+every rank can name it even when collectives with it time out or break.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupPool"]
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+__all__ = ["GroupPool", "job_timeout"]
+
+#: torch's default for gloo process groups, used when the job's own timeout cannot be read.
+_TORCH_DEFAULT_TIMEOUT = 1800.0
+
+
+def job_timeout() -> float:
+    """Seconds of the default process group's timeout (the one ``init_process_group`` got)."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+            return backend.options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):
+            continue
+    return _TORCH_DEFAULT_TIMEOUT
 
 
 class GroupPool:
@@ -32,12 +58,21 @@ class GroupPool:
         ranks: global ranks of the DP x CP axis in order (default: the whole world).
         group_sizes: allowed CP sizes (default: every power of two dividing ``len(ranks)``).
         warmup: run one all_reduce on each own group right away.
-        timeout: optional timeout for the new groups (default: the job's).
+        timeout: seconds after which a collective on the pool's groups fails (default: the
+            job's timeout, see :func:`job_timeout`).
+        store: where failing ranks leave their error (default: the job's Store).
 
     Attributes:
         world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
         created: number of groups created; ``creation_seconds``: wall time of creating them.
         axis_group: a group over the whole axis, for synchronisation points.
+        control_group: a gloo group over the axis: plan agreement and status exchange.
+        timeout: the groups' timeout in seconds.
+        store: a Store namespace of this pool (shared by its ranks).
+        calls: ``execute`` calls so far on this rank (every rank counts the same).
+
+    Raises:
+        ValueError: bad ranks, group sizes or timeout.
     """
 
     def __init__(
@@ -47,6 +82,7 @@ class GroupPool:
         group_sizes: Sequence[int] | None = None,
         warmup: bool = True,
         timeout: float | None = None,
+        store: Store | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupPool needs torch.distributed to be initialised first")
@@ -73,10 +109,17 @@ class GroupPool:
         me = dist.get_rank()
         self.position = self.ranks.index(me) if me in self.ranks else None
         self.backend = dist.get_backend()
-        kwargs = {} if timeout is None else {"timeout": _timedelta(timeout)}
+        self.timeout = job_timeout() if timeout is None else timeout
+        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"GroupPool timeout must be > 0 seconds, got {timeout!r}")
+        kwargs = {"timeout": datetime.timedelta(seconds=self.timeout)}
         self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         start = time.perf_counter()
         self.axis_group = self._new_group(list(self.ranks), kwargs) if self.world < job else None
+        self.control_group = dist.new_group(ranks=list(self.ranks), backend="gloo", **kwargs)
+        base = dist.distributed_c10d._get_default_store() if store is None else store
+        self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
+        self.calls = 0
         self.created = 0
         for size in self.group_sizes:
             if size == 1:
@@ -134,9 +177,3 @@ class GroupPool:
             f"GroupPool(world={self.world}, sizes={list(self.group_sizes)}, "
             f"created={self.created}, creation_seconds={self.creation_seconds:.3f})"
         )
-
-
-def _timedelta(seconds: float):  # noqa: ANN202 - tiny helper
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,344 @@
+"""Chaos suite: 4 gloo ranks, one rank misbehaves, every rank ends in bounded time.
+
+One spawn of 4 processes runs the scenarios in turn, each on a fresh process group whose timeout
+is T seconds (so a hang costs seconds, not minutes). Properties asserted:
+
+- execute: whatever one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run
+  another plan, exit -- every other rank raises within 2 T, and the error names that rank (and
+  its exception where it raised one); the groups use the job's timeout (T) without being told.
+- sampler over a plan service: values written into the Store by someone else (a forged
+  unsigned plan, non-object JSON, 1e999, deep nesting, garbage cursors, an overwrite after rank
+  0 read the key) end in a consistent fallback on every rank with exactly-once intact, or in a
+  PlanMismatchError on every rank in that very step, naming the ranks and both digests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dyncp.agreement import PlanMismatchError
+from dyncp.cost_model import CostModel
+from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
+from dyncp.plan_auth import PlanSigner
+from dyncp.planner import Planner
+from dyncp.runtime import GroupPool, StepFailed, execute
+from dyncp.sampler import BatchSchedule, DynamicCPSampler
+from dyncp.service import plan_batch, step_key
+
+WORLD, CAPACITY = 4, 1024
+T = 1.5  # the job's process-group timeout in every scenario
+SECRET = b"0123456789abcdef-test-secret"
+SLACK = 0.75  # seconds for process scheduling on a loaded 2-core machine
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+@functools.lru_cache
+def _model() -> CostModel:
+    return CostModel.load("h100-reference", ranks_per_node=WORLD)
+
+
+def make_planner(**kwargs) -> Planner:
+    kwargs.setdefault("cpsat", None)
+    return Planner(_model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, **kwargs)
+
+
+def make_lengths() -> np.ndarray:
+    rng = np.random.default_rng(11)
+    return np.clip(rng.lognormal(5.5, 1.2, 120).astype(np.int64), 1, WORLD * CAPACITY)
+
+
+def make_schedule() -> BatchSchedule:
+    return BatchSchedule(
+        make_lengths(), max_length=WORLD * CAPACITY, global_batch_tokens=2 * WORLD * CAPACITY
+    )
+
+
+def hand_plan(extra: int = 0) -> StepPlan:
+    """A ring of 4, then a ring of 2 beside two single ranks."""
+    mb = MicroBatch
+    waves = (
+        Wave((Group(0, 4, (mb((1,)),)),)),
+        Wave((Group(0, 2, (mb((3,)),)), Group(2, 1, (mb((0,)),)), Group(3, 1, (mb((2,)),)))),
+    )
+    return StepPlan(Topology(WORLD, 2, 256), (37, 150, 9, 64 + extra), waves)
+
+
+def _release(store: dist.Store) -> None:
+    store.set("release", "1")
+
+
+def _held(store: dist.Store, limit: float) -> None:
+    """Block (a hung rank) until the others released it, at most ``limit`` seconds."""
+    end = time.monotonic() + limit
+    while not store.check(["release"]) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------- execute
+
+
+def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
+    pool = GroupPool()  # no timeout given: the job's (T)
+    plan = hand_plan(extra=1 if fault == "other-plan" and rank == culprit else 0)
+
+    def step_fn(ctx) -> None:
+        if rank == culprit and ctx.step_wave == 1:
+            if fault == "raise":
+                raise ValueError("boom from rank's step_fn")
+            if fault == "hang":
+                _held(store, 6 * T)
+            if fault == "exit":
+                os._exit(0)  # a clean exit code: the spawn context must not stop the others
+        if ctx.cp > 1:
+            dist.all_reduce(torch.ones(1), group=ctx.layout.group)
+
+    start = time.monotonic()
+    outcome: dict = {"timeout": pool.timeout}
+    try:
+        if fault == "skip" and rank == culprit:
+            _held(store, 6 * T)  # never calls execute for this step
+            outcome.update(kind="skipped")
+        else:
+            execute(plan, pool, step_fn)
+            outcome.update(kind="ok")
+    except (StepFailed, PlanMismatchError) as exc:
+        outcome.update(kind=type(exc).__name__, message=str(exc), ranks=list(exc.ranks))
+    outcome["seconds"] = time.monotonic() - start
+    if rank != culprit:
+        _release(store)
+    return outcome
+
+
+def _scenario_store(tmp: str, name: str) -> dist.Store:
+    return dist.FileStore(f"{tmp}/{name}.side", WORLD)
+
+
+EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "exit"]  # "exit" last: rank 3 is gone
+CULPRIT = {"raise": 1, "hang": 1, "skip": 2, "other-plan": 3, "exit": 3}
+
+
+# ---------------------------------------------------------------------------------- sampler
+
+
+def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -> dict:
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    group = dist.new_group(backend="gloo")
+    sampler = DynamicCPSampler(
+        make_lengths(),
+        world_size=WORLD,
+        rank=rank,
+        capacity=CAPACITY,
+        planner=kwargs.pop("planner", None) or make_planner(),
+        global_batch_tokens=2 * WORLD * CAPACITY,
+        store=store,
+        prefix=prefix,
+        deadline=0.5,
+        late_deadline=0.05,
+        secret=kwargs.pop("secret", None),
+        group=group,
+        **kwargs,
+    )
+    if wrap_fetch is not None and rank == 0:
+        client = sampler._source.client
+        client.fetch = wrap_fetch(client.fetch)
+    samples, out = [], {}
+    start = time.monotonic()
+    try:
+        for mb in sampler:
+            if mb.meta.rank_in_group == 0:
+                samples.extend(mb)
+    except PlanMismatchError as exc:
+        out.update(error=str(exc), ranks=list(exc.ranks), step=sampler.counters.steps)
+    out["seconds"] = time.monotonic() - start
+    service = sampler._source.service
+    if service is not None:
+        out["service_alive"] = service.alive
+        counters = service.counters
+        out["service"] = {"bad_cursors": counters.bad_cursors, "errors": counters.errors}
+    sampler.close()
+    c = sampler.counters
+    out["samples"] = [int(i) for i in samples]
+    out["counters"] = dict(
+        steps=c.steps, fallbacks=c.fallbacks, rejected=c.rejected_plans, service=c.service_plans
+    )
+    return out
+
+
+def _overwrite_after_rank0(rank: int, port: int) -> dict:
+    """Rank 0 reads step 2's plan; then a hostile write replaces it before the others read.
+
+    The service plans with the static policy, so its plan differs from the greedy fallback.
+    """
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    key = step_key("overwrite", 0, 2)
+
+    def on_step(plan, info) -> None:
+        if rank != 0 and info.step == 1:  # the others read step 2 only after the overwrite
+            store.wait(["overwrite/done"], datetime.timedelta(seconds=30))
+
+    def attack_after(fetch):
+        def fetch_then_overwrite(epoch: int, step: int):
+            fetched = fetch(epoch, step)
+            if step == 2:
+                store.set(key, b"[]")  # the attacker's plain set, after rank 0 read the key
+                store.set("overwrite/done", "1")
+            return fetched
+
+        return fetch_then_overwrite
+
+    return _sampler_run(
+        rank, port, "overwrite", secret=SECRET, on_step=on_step, wrap_fetch=attack_after,
+        planner=make_planner(policy="static", max_length=WORLD * CAPACITY),
+    )
+
+
+# ---------------------------------------------------------------------------------- the spawn
+
+
+def _chaos(rank: int, tmp: str, port: int) -> None:
+    torch.set_num_threads(1)
+    path = Path(tmp, f"rank{rank}.json")
+    results: dict = {}
+
+    def scenario(name: str, fn, *args, **kwargs) -> None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/{name}.pg",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=T),
+        )
+        try:
+            results[name] = fn(*args, **kwargs)
+        except BaseException:
+            results[name] = {"kind": "crash", "message": traceback.format_exc()}
+        finally:
+            dist.destroy_process_group()
+        path.write_text(json.dumps(results))  # kept if a later scenario ends this process
+
+    scenario("forged", _sampler_run, rank, port, "forged", secret=SECRET)
+    scenario("garbage", _sampler_run, rank, port, "garbage")
+    scenario("overwrite", _overwrite_after_rank0, rank, port)
+    for fault in EXECUTE_FAULTS:
+        store = _scenario_store(tmp, fault)
+        scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
+
+
+def _attack(master: dist.TCPStore, stop: threading.Event) -> None:
+    """Pre-write forged values at step keys, and garbage cursors for as long as the run lasts."""
+    schedule = make_schedule()
+    ids, lengths = schedule.batch(0, 1)
+    real = plan_batch(make_planner(deterministic=True), ids, lengths).to_json().encode()
+    master.set(step_key("forged", 0, 1), real)  # a valid plan of the batch, but unsigned
+    other_job = PlanSigner(b"another-job-secret-123")
+    master.set(step_key("forged", 0, 2), other_job.seal(step_key("forged", 0, 2), real))
+    master.set(step_key("garbage", 0, 1), b"[]")
+    master.set(step_key("garbage", 0, 2), b'{"schema_version": 1, "lengths": 1e999}')
+    master.set(step_key("garbage", 0, 3), b"[" * 100_000 + b"]" * 100_000)
+    master.set(step_key("garbage", 0, 4), b'"x"')
+    bad = [b"abc", b"", b"1 2 3", b"-1 0", b"99999999999999999999999 0"]
+    i = 0
+    while not stop.is_set():
+        master.set("dyncp/garbage/cursor", bad[i % len(bad)])
+        i += 1
+        stop.wait(0.003)
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("chaos")
+    master = dist.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+    stop = threading.Event()
+    attacker = threading.Thread(target=_attack, args=(master, stop), daemon=True)
+    attacker.start()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.start_processes(
+        _chaos, args=(str(tmp), master.port), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.fail("the chaos ranks did not finish in 120 s")
+    except mp.ProcessExitedException:
+        pass  # rank 3 exits in the last scenario, by design
+    finally:
+        stop.set()
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------------------- assertions
+
+
+def _exactly_once(runs: list[dict]) -> None:
+    samples = [i for r in runs for i in r["samples"]]  # each micro-batch once, from its first rank
+    assert sorted(samples) == list(range(len(make_lengths()))), "exactly-once broken"
+
+
+@pytest.mark.timeout(180)
+def test_forged_and_garbage_plans_fall_back_consistently(chaos: list[dict]) -> None:
+    forged = [r["forged"] for r in chaos]
+    garbage = [r["garbage"] for r in chaos]
+    for runs, rejected in ((forged, 2), (garbage, 4)):
+        assert all("error" not in r for r in runs), runs
+        _exactly_once(runs)
+        assert {r["counters"]["rejected"] for r in runs} == {rejected}
+        assert len({json.dumps(r["counters"]) for r in runs}) == 1  # same decisions everywhere
+    # The garbage cursors were counted, and the service kept serving through them.
+    assert garbage[0]["service"]["bad_cursors"] > 0
+    assert garbage[0]["service_alive"] and garbage[0]["counters"]["service"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_overwrite_after_rank0_read_raises_in_that_step(chaos: list[dict]) -> None:
+    runs = [r["overwrite"] for r in chaos]
+    for r in runs:
+        assert r["ranks"] == [0], r
+        assert "epoch 0 step 2" in r["error"] and " vs " in r["error"], r["error"]
+        assert r["step"] == 2  # steps 0 and 1 ran; the error came before step 2 yielded
+    assert len({r["error"] for r in runs}) == 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", EXECUTE_FAULTS)
+def test_every_rank_raises_in_bounded_time_naming_the_culprit(
+    chaos: list[dict], fault: str
+) -> None:
+    culprit = CULPRIT[fault]
+    for rank, r in enumerate(chaos):
+        if rank == culprit:
+            continue
+        got = r[fault]
+        assert got["timeout"] == T  # the job's timeout, not torch's 30 minutes
+        expected = "PlanMismatchError" if fault == "other-plan" else "StepFailed"
+        assert got["kind"] == expected, got
+        assert got["ranks"] == [culprit], got
+        assert got["seconds"] <= 2 * T + SLACK, got
+        if fault == "raise":
+            assert f"rank {culprit} failed in wave 1: ValueError: boom" in got["message"]
+        elif fault == "other-plan":
+            assert " vs " in got["message"]
+        else:
+            assert f"rank(s) [{culprit}] stopped responding" in got["message"], got
+    if fault == "raise":
+        assert chaos[culprit][fault]["kind"] == "StepFailed"
