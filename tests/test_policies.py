@@ -40,6 +40,8 @@ def model_for(ranks_per_node: int) -> CostModel:
 
 def make_planner(topo: Topology, policy: str, **kw) -> Planner:
     kw.setdefault("max_length", topo.max_length())
+    # Reproducible plans: the anytime constructor otherwise stops at a wall-clock deadline.
+    kw.setdefault("deterministic", True)
     return Planner(
         model_for(topo.ranks_per_node),
         world=topo.world,
@@ -241,7 +243,7 @@ def test_same_plan_in_another_process() -> None:
         out = {{}}
         for policy in POLICIES:
             plan = Planner(model, world=16, ranks_per_node=4, capacity=256, policy=policy,
-                           max_length=4096).plan({lengths!r})
+                           max_length=4096, deterministic=True).plan({lengths!r})
             data = json.loads(plan.to_json())
             data["stats"].pop("timings")
             out[policy] = json.dumps(data, sort_keys=True)

@@ -34,8 +34,11 @@ import numpy as np
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
+from dyncp.planner.assignment import Assignment
 from dyncp.planner.costs import SequenceCosts
+from dyncp.planner.local_search import improve
 from dyncp.planner.packing import lpt, pack_ffd, place_groups
+from dyncp.planner.structure import Structure, StructureSearch
 
 __all__ = ["greedy_plan", "GreedyConstructor"]
 
@@ -60,6 +63,8 @@ LEVEL_FACTORS = (
     1.7,
     2.0,
 )
+# Share of the time to the deadline spent pricing candidates; the local search gets the rest.
+CANDIDATE_SHARE = 0.6
 # How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
 EARLY_LEVELS = 5
 
@@ -91,6 +96,8 @@ class GreedyConstructor:
         self.seconds = self.costs.seconds
         self.alone = self.costs.alone
         self.tried = 0
+        self.moves = 0
+        self.deadline: float | None = None
 
     # ------------------------------------------------------------------------------ step 1
     def choose_sizes(self, stretch: float, boost: int = 0) -> np.ndarray:
@@ -224,6 +231,99 @@ class GreedyConstructor:
             specs.append([(1, ids) for ids in per_rank if ids])
         return self.assemble(specs)
 
+    def fill(
+        self,
+        wave_groups: list[list[tuple[int, list[int], float]]],
+        sand: list[int],
+        targets: list[float],
+    ) -> StepPlan:
+        """Pour the CP-1 sequences into the waves up to ``targets`` and realise the plan.
+
+        Slots: every long group (at its size: dearer, but its ranks would idle), every free rank
+        of every wave, and one extra wave of W single ranks for what does not fit. Sequences go
+        longest first where they raise the step (the sum of wave levels, each counted from its
+        target up) least; among slots that keep it, where they cost the fewest rank-seconds (a
+        long group's ring makes a short sequence dearer), then to the least-loaded slot (LPT
+        within the levels). Slots of one size in one wave differ only by load, so each such class
+        keeps a heap and a placement looks at one candidate per class.
+        """
+        world = self.topology.world
+        wave_groups = [*wave_groups, []]  # the overflow wave last, target 0
+        targets = [*targets, 0.0]
+        n_waves = len(wave_groups)
+        level = [max([g[2] for g in gs] + [targets[w]]) for w, gs in enumerate(wave_groups)]
+        slot_size: list[int] = []
+        slot_items: list[list[int]] = []
+        classes: dict[tuple[int, int], list[tuple[float, int]]] = {}
+        for w, gs in enumerate(wave_groups):
+            free = world - sum(g[0] for g in gs)
+            for size, ids, load in [*gs, *((1, [], 0.0) for _ in range(free))]:
+                j = len(slot_size)
+                slot_size.append(size)
+                slot_items.append(list(ids))
+                classes.setdefault((w, self.costs.index(size)), []).append((load, j))
+        for heap in classes.values():
+            heapq.heapify(heap)
+        keys = sorted(classes)
+        t = self.seconds
+        width = len(self.sizes)
+        for i in sorted(sand, key=lambda i: (-t[0, i], i)):
+            best: tuple[float, float, float, int] | None = None
+            for w, row in keys:
+                new = classes[(w, row)][0][0] + t[row, i]
+                key = (max(new - level[w], 0.0), t[row, i] * self.sizes[row], new, w * width + row)
+                if best is None or key < best:
+                    best = key
+            assert best is not None
+            w, row = divmod(best[3], width)
+            _, j = heapq.heappop(classes[(w, row)])
+            heapq.heappush(classes[(w, row)], (best[2], j))
+            slot_items[j].append(i)
+            level[w] = max(level[w], best[2])
+        specs: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_waves)]
+        j = 0
+        for w, gs in enumerate(wave_groups):
+            for _ in range(world - sum(g[0] for g in gs) + len(gs)):
+                if slot_items[j]:
+                    specs[w].append((slot_size[j], slot_items[j]))
+                j += 1
+        return self.assemble(specs)
+
+    def realise(self, structure: Structure, search: StructureSearch) -> StepPlan:
+        """A plan of ``structure``: each long sequence its own group, short ones poured in."""
+        _, levels, extra = search.levels(structure)
+        n_long = len(levels) - int(extra)
+        wave_groups: list[list[tuple[int, list[int], float]]] = [[] for _ in range(n_long)]
+        for i, w, k in zip(structure.ids, structure.wave, structure.row):
+            wave_groups[w].append((int(self.sizes[k]), [i], float(self.seconds[k, i])))
+        wave_groups = [sorted(gs, key=lambda g: -g[0]) for gs in wave_groups]
+        if extra:
+            wave_groups.append([])
+        return self.fill(wave_groups, search.short.tolist(), list(levels))
+
+    def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
+        """Plans of the best structures found from a few starting size choices.
+
+        None when single ranks are not an allowed group size (nothing to pour short work into).
+        """
+        if self.sizes[0] != 1:
+            return
+        search = StructureSearch(self.costs, self.model.wave_overhead)
+        rank_seconds = self.seconds * self.sizes[:, None]
+        starts = [
+            np.argmin(rank_seconds, axis=0),
+            self.choose_sizes(1.0, 0),
+            self.choose_sizes(0.5, 0),
+            np.argmin(self.alone, axis=0),
+        ]
+        seen: set[Structure] = set()
+        for rows in starts:
+            s = search.improve(search.start(rows), deadline)
+            if s in seen:
+                continue
+            seen.add(s)
+            yield self.realise(s, search)
+
     def build_level(self, level: float) -> StepPlan:
         """Every wave filled up to one common ``level`` (seconds).
 
@@ -298,6 +398,7 @@ class GreedyConstructor:
         section), so an anytime caller that stops early has already seen the likely winners."""
         ideal = self.ideal_seconds()
         first, rest = LEVEL_FACTORS[:EARLY_LEVELS], LEVEL_FACTORS[EARLY_LEVELS:]
+        yield from self.structured(self.deadline)
         seen: set[bytes] = set()
         for n, (stretch, boost) in enumerate(self.structures):
             k = self.choose_sizes(stretch, boost)
@@ -318,22 +419,37 @@ class GreedyConstructor:
     def best(self, deadline: float | None = None) -> StepPlan:
         """The fastest candidate under the cost model (first one on ties).
 
-        Anytime: with a ``deadline`` (``time.perf_counter()`` seconds) it stops after the first
-        candidate that ends past it and returns the best so far; ``tried`` counts the candidates
-        priced. Without one it prices them all (deterministic).
+        Anytime: with a ``deadline`` (``time.perf_counter()`` seconds) it stops pricing
+        candidates after the first that ends past ``CANDIDATE_SHARE`` of the time left, then runs
+        the local search (``dyncp.planner.local_search``) on the best until the deadline, and
+        returns the best so far; ``tried`` counts the candidates priced. Without a deadline it
+        prices them all and bounds the local search by rounds only (deterministic).
         """
         self.tried = 0
         if len(self.lengths) == 0:
             return StepPlan(self.topology, (), (), policy="dyncp")
+        stop = None
+        if deadline is not None:
+            now = time.perf_counter()
+            stop = now + CANDIDATE_SHARE * max(deadline - now, 0.0)
+        self.deadline = stop
         best: tuple[float, StepPlan] | None = None
         for plan in self.candidates():
             seconds = evaluate_plan(plan, self.model).step_seconds
             self.tried += 1
             if best is None or seconds < best[0]:
                 best = (seconds, plan)
-            if deadline is not None and time.perf_counter() >= deadline:
+            if stop is not None and time.perf_counter() >= stop:
                 break
         assert best is not None
+        moved, self.moves = improve(Assignment.from_plan(best[1], self.costs), deadline)
+        if self.moves:
+            try:
+                plan = moved.to_plan(best[1])
+            except ValueError:  # a slot whose sequences no longer pack into micro-batches
+                return best[1]
+            if evaluate_plan(plan, self.model).step_seconds < best[0]:
+                return plan
         return best[1]
 
 

@@ -1,0 +1,177 @@
+"""Structure search: waves and CP sizes of the long sequences, with the short ones as fluid work.
+
+Where a plan loses time is its structure -- how many waves, and which wave and group size each
+long sequence gets -- not where each short sequence goes (notes/planner-findings.md). So the
+search works on structures only and prices each with a fluid model in microseconds:
+
+- long sequences: those whose minimum CP size exceeds 1, or that alone at CP 1 take more than
+  ``LONG_SHARE`` of the ideal step (total work / W: too coarse to pour as fluid). A structure
+  gives each a wave and a size; in its wave it holds a group of that size for its time alone
+  (``alone``), and the groups of a wave must fit in W ranks;
+- short sequences are divisible work ``S`` (their additive seconds at CP 1). Wave w's floor
+  ``F_w`` is its slowest long group; at a level M >= F_w it offers ``cap_w(M) = f_w M + sum_i c_i
+  e_c (M - alone_i)``: its f_w free ranks, plus each long group's idle time at the efficiency
+  ``e_c`` short work runs with on c ranks (CP-1 seconds per rank-second at c);
+- the work first fills every wave up to its floor; what is left raises the wave that gains
+  capacity fastest (its slope is constant above the floor), or opens a wave of W single ranks,
+  whichever costs less. Predicted step = sum of levels + wave overheads.
+
+The search starts from a few size choices (every long sequence at its cheapest size, at its
+fastest size, and at the constructor's stretch rules), lays them into waves first-fit by size,
+then improves by single moves -- a sequence to the next size up or down, to another wave, or to
+a new wave -- while the fluid cost falls. ``realise`` turns the best structures into plans: long
+sequences in their groups, short ones poured up to the fluid levels (``fill``), then local search.
+Deterministic: no randomness, ties by index.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dyncp.planner.costs import SequenceCosts
+
+__all__ = ["Structure", "StructureSearch", "LONG_SHARE"]
+
+# A CP-1 sequence taking more than this share of the ideal step alone is placed as a long one.
+LONG_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """Long sequence ids, and for each its wave and its row in the cost tables."""
+
+    ids: tuple[int, ...]
+    wave: tuple[int, ...]
+    row: tuple[int, ...]
+
+
+class StructureSearch:
+    """Fluid-priced search over structures of one batch (module docstring)."""
+
+    def __init__(self, costs: SequenceCosts, wave_overhead: float) -> None:
+        self.costs = costs
+        self.world = costs.topology.world
+        self.wave_overhead = wave_overhead
+        sizes = costs.sizes
+        self.sizes = sizes
+        n = len(costs.lengths)
+        # Long: needs a ring, or alone at CP 1 takes a good share of the ideal step (too coarse
+        # to be poured as fluid work).
+        coarse = costs.alone[0] > LONG_SHARE * costs.ideal_seconds() if sizes[0] == 1 else False
+        self.long = np.flatnonzero((costs.min_cp > 1) | coarse)
+        short = np.ones(n, dtype=bool)
+        short[self.long] = False
+        self.short = np.flatnonzero(short)
+        self.work = float(costs.seconds[0, self.short].sum()) if sizes[0] == 1 else 0.0
+        # Efficiency of short work on a group of c ranks: CP-1 seconds per rank-second there.
+        self.eff = np.zeros(len(sizes))
+        if len(self.short) and sizes[0] == 1:
+            base = costs.seconds[0, self.short].sum()
+            for k, c in enumerate(sizes.tolist()):
+                dear = (costs.seconds[k, self.short] * c).sum()
+                self.eff[k] = base / dear if dear > 0 else 0.0
+        self.alone = costs.alone
+        self.evaluations = 0
+
+    # ------------------------------------------------------------------------------ fluid
+    def levels(self, s: Structure) -> tuple[float, list[float], bool]:
+        """Fluid step seconds, the level of each wave, and whether a wave of singles is added."""
+        self.evaluations += 1
+        n_waves = max(s.wave) + 1 if s.wave else 0
+        world = self.world
+        floor = [0.0] * n_waves
+        used = [0] * n_waves
+        for i, w, k in zip(s.ids, s.wave, s.row):
+            t = self.alone[k, i]
+            if t > floor[w]:
+                floor[w] = t
+            used[w] += int(self.sizes[k])
+        if any(u > world for u in used):
+            return float("inf"), [], False
+        free_cap = 0.0
+        slope = [float(world - u) for u in used]
+        for w in range(n_waves):
+            free_cap += (world - used[w]) * floor[w]
+        for i, w, k in zip(s.ids, s.wave, s.row):
+            c_eff = float(self.sizes[k]) * self.eff[k]
+            free_cap += c_eff * (floor[w] - self.alone[k, i])
+            slope[w] += c_eff
+        level = list(floor)
+        rest = self.work - free_cap
+        extra = False
+        if n_waves == 0:
+            level, extra = [], True
+            rest_level = self.work / world
+            return rest_level + self.wave_overhead, [rest_level], True
+        if rest > 0:
+            best = int(np.argmax(slope))
+            raise_cost = rest / slope[best] if slope[best] > 0 else float("inf")
+            new_wave = self.wave_overhead + rest / world
+            if raise_cost <= new_wave:
+                level[best] += raise_cost
+            else:
+                extra = True
+                level.append(rest / world)
+        total = sum(level) + len(level) * self.wave_overhead
+        return total, level, extra
+
+    # ------------------------------------------------------------------------------ search
+    def start(self, rows: np.ndarray) -> Structure:
+        """Long sequences at the given rows, laid into waves first fit by decreasing size."""
+        size, alone = self.sizes, self.alone
+        ids = sorted(self.long.tolist(), key=lambda i: (-size[rows[i]], -alone[rows[i], i], i))
+        used: list[int] = []
+        wave = []
+        for i in ids:
+            c = int(self.sizes[rows[i]])
+            w = next((w for w, u in enumerate(used) if u + c <= self.world), None)
+            if w is None:
+                used.append(0)
+                w = len(used) - 1
+            used[w] += c
+            wave.append(w)
+        return Structure(tuple(ids), tuple(wave), tuple(int(rows[i]) for i in ids))
+
+    def improve(self, s: Structure, deadline: float | None, max_passes: int = 6) -> Structure:
+        """Single moves (size up/down, another wave, a new wave) while the fluid cost falls."""
+        best, _, _ = self.levels(s)
+        top = len(self.sizes) - 1
+        for _ in range(max_passes):
+            improved = False
+            order = sorted(range(len(s.ids)), key=lambda j: -self.alone[s.row[j], s.ids[j]])
+            for j in order:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return s
+                i = s.ids[j]
+                n_waves = max(s.wave) + 1
+                options = []
+                for dk in (-1, 1):
+                    k = s.row[j] + dk
+                    if 0 <= k <= top and np.isfinite(self.alone[k, i]):
+                        options.append((s.wave[j], k))
+                for w in range(n_waves + 1):
+                    if w != s.wave[j]:
+                        options.append((w, s.row[j]))
+                for w, k in options:
+                    wave = list(s.wave)
+                    row = list(s.row)
+                    wave[j], row[j] = w, k
+                    cand = Structure(s.ids, _compact(wave), tuple(row))
+                    cost, _, _ = self.levels(cand)
+                    if cost < best - 1e-12:
+                        best, s, improved = cost, cand, True
+                        break
+            if not improved:
+                break
+        return s
+
+
+def _compact(wave: list[int]) -> tuple[int, ...]:
+    """Renumber waves 0..K-1 in order of first use (drops emptied waves)."""
+    names: dict[int, int] = {}
+    for w in sorted(set(wave)):
+        names[w] = len(names)
+    return tuple(names[w] for w in wave)
