@@ -1,21 +1,38 @@
-"""Planner benchmark: plan quality and latency of every policy on the shared length data.
+"""Planner benchmark: plan quality against both lower bounds, CP-SAT's contribution, latency.
 
-    python bench/planner_bench.py [--steps 100] [--large-steps 20] [--data ../shared/datasets]
+    python bench/planner_bench.py [--steps 50] [--cpsat-steps 10] [--profile h100-reference]
+                                  [--data ../shared/datasets] [--contention 1] [--scale]
 
-For each dataset (the full shared parquet files when ``--data`` holds them, else the bundled
-20,000-document samples) and each size -- 512 sequences on 64 ranks, 4096 sequences on 512
-ranks (8 per node, capacity 8192 tokens per rank, h100-reference profile) -- it plans the same
-seeded batches with every policy and prints: mean predicted step seconds, mean and max gap to
-the lower bound, speedup vs static and vs megatron (ratios of mean step seconds, same batches),
-plan latency p50/p99 on this machine. ``dyncp`` is the default pipeline (time_limit 0.1 s: the
-greedy constructor; CP-SAT only when time is left); ``dyncp+cpsat`` gives CP-SAT a longer
-deadline (1 s at 512 sequences, 2 s at 4096), as the plan service's lookahead allows.
+Scenarios (512 sequences per step on 64 ranks, 8 per node, max length 131072): the two shared
+length files (full parquet files when ``--data`` holds them, else the bundled samples) at
+capacities 8192 and 16384 tokens per rank, and three length distributions constructed here (the
+planner was not tuned on them), at capacity 8192:
+
+- ``code``: long-tailed, 256 x (1 + Pareto(1.1)) tokens (source files and repositories);
+- ``chat``: lognormal around 600 tokens (sigma 1.0): many short turns, a thin tail;
+- ``bimodal``: 85% lognormal around 500 tokens, 15% uniform in [16K, 64K] (long documents mixed
+  into short ones).
+
+Per scenario it prints, for the default ``dyncp`` (``time_limit=0.1``): mean and max gap to the
+tight LP bound and to the closed-form bound, speedup over ``megatron`` on the same batches, plan
+latency p50/p99 of the whole ``plan()`` call quiet and while ``--contention`` CPU-bound processes
+run on the same cores; and for ``dyncp+cpsat`` (``time_limit=1.0``: CP-SAT gets what the
+constructor leaves, about 0.9 s) on the first ``--cpsat-steps`` batches: the share of the
+remaining gap to the tight bound CP-SAT closes (mean over batches of (constructed - final) /
+(constructed - bound)) and its outcomes. ``--scale`` plans steps of 32768 sequences on 4096 ranks
+and 131072 on 16384 ranks and prints the wall time of ``plan()`` and its parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,66 +42,167 @@ from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.planner import Planner
 from dyncp.sim.replay import admit, draw_batches
 
-CAPACITY = 8192
 MAX_LENGTH = 131072
-SIZES = ((64, 512), (512, 4096))
+WORLD, SEQUENCES, RANKS_PER_NODE = 64, 512, 8
 FILES = {"wikipedia": "wikipedia_flexsp.parquet", "wlbllm": "wlbllm_distca.parquet"}
+CONSTRUCTED = ("code", "chat", "bimodal")
 
 
-def planners(model: CostModel, world: int, long_limit: float) -> dict[str, Planner]:
-    common = dict(world=world, ranks_per_node=8, capacity=CAPACITY, max_length=MAX_LENGTH)
-    out = {p: Planner(model, policy=p, **common) for p in ("static", "batch-adaptive", "megatron")}
-    out["dyncp"] = Planner(model, policy="dyncp", time_limit=0.1, **common)
-    out["dyncp+cpsat"] = Planner(model, policy="dyncp", time_limit=long_limit, **common)
-    return out
+def constructed(name: str, n: int, seed: int) -> np.ndarray:
+    """Lengths of one constructed distribution (module docstring), clipped to [1, MAX_LENGTH]."""
+    rng = np.random.default_rng(seed)
+    if name == "code":
+        x = 256 * (1 + rng.pareto(1.1, n))
+    elif name == "chat":
+        x = rng.lognormal(np.log(600), 1.0, n)
+    elif name == "bimodal":
+        long = rng.random(n) < 0.15
+        x = np.where(long, rng.uniform(16384, 65536, n), rng.lognormal(np.log(500), 0.8, n))
+    else:
+        raise ValueError(f"unknown distribution {name!r}; choose one of {', '.join(CONSTRUCTED)}")
+    return np.clip(np.rint(x), 1, MAX_LENGTH).astype(np.int64)
+
+
+def scenarios(args: argparse.Namespace) -> Iterator[tuple[str, int, list[np.ndarray]]]:
+    for name, file in FILES.items():
+        path = args.data / file
+        source = path if path.exists() else resolve_dataset(name)
+        lengths, _ = admit(load_lengths(source), MAX_LENGTH, "truncate")
+        batches = list(
+            draw_batches(lengths, steps=args.steps, seed=args.seed, global_batch_size=SEQUENCES)
+        )
+        for capacity in (8192, 16384):
+            yield f"{name} ({source.name})", capacity, batches
+    for name in CONSTRUCTED:
+        batches = [constructed(name, SEQUENCES, args.seed + s) for s in range(args.steps)]
+        yield name, 8192, batches
+
+
+def planner(model: CostModel, capacity: int, **kw) -> Planner:
+    return Planner(
+        model,
+        world=WORLD,
+        ranks_per_node=RANKS_PER_NODE,
+        capacity=capacity,
+        max_length=MAX_LENGTH,
+        **kw,
+    )
+
+
+@contextmanager
+def contention(processes: int) -> Iterator[None]:
+    """``processes`` CPU-bound busy loops on the same cores as this process while inside."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    code = "import os\n"
+    if cores:
+        code += f"os.sched_setaffinity(0, {set(cores)!r})\n"
+    code += "x = 0\nwhile True:\n    x = (x * 31 + 7) % 1000003\n"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(processes)]
+    try:
+        time.sleep(0.5)  # let them reach the busy loop
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3
+
+
+def run_quality(model: CostModel, args: argparse.Namespace) -> None:
+    header = (
+        f"{'scenario':<34}{'cap':>6}{'gap':>7}{'max':>7}{'old gap':>8}{'old max':>8}"
+        f"{'vs megatron':>12}{'p50 ms':>8}{'p99 ms':>8}{'p50 busy':>9}{'p99 busy':>9}"
+        f"{'bound ms':>9}{'cpsat closes':>13}  cpsat outcomes"
+    )
+    print(header)
+    for name, capacity, batches in scenarios(args):
+        dyncp = planner(model, capacity, time_limit=args.time_limit)
+        megatron = planner(model, capacity, policy="megatron")
+        gaps, old, lat, bound_lat, secs, meg = [], [], [], [], [], []
+        for batch in batches:
+            plan = dyncp.plan(batch)
+            st = plan.stats
+            gaps.append(st["gap_to_lower_bound"])
+            old.append(st["gap_to_simple_bound"])
+            lat.append(st["timings"]["plan_seconds"])
+            bound_lat.append(st["timings"]["bound_seconds"])
+            secs.append(st["predicted_step_seconds"])
+            meg.append(megatron.plan(batch).stats["predicted_step_seconds"])
+        busy = []
+        if args.contention:
+            with contention(args.contention):
+                for batch in batches:
+                    busy.append(dyncp.plan(batch).stats["timings"]["plan_seconds"])
+        closes, outcomes = [], Counter()
+        solver = planner(model, capacity, time_limit=1.0)
+        for batch in batches[: args.cpsat_steps]:
+            st = solver.plan(batch).stats
+            outcomes[st["solver"]["status"].split(":")[0]] += 1
+            left = st["greedy_step_seconds"] - st["lower_bound_seconds"]
+            won = st["greedy_step_seconds"] - st["predicted_step_seconds"]
+            closes.append(won / left if left > 0 else 0.0)
+        print(
+            f"{name:<34}{capacity:>6}{np.mean(gaps):>7.1%}{np.max(gaps):>7.1%}"
+            f"{np.mean(old):>8.1%}{np.max(old):>8.1%}{np.mean(meg) / np.mean(secs):>11.3f}x"
+            f"{ms(lat, 50):>8.1f}{ms(lat, 99):>8.1f}"
+            f"{(ms(busy, 50) if busy else float('nan')):>9.1f}"
+            f"{(ms(busy, 99) if busy else float('nan')):>9.1f}"
+            f"{ms(bound_lat, 50):>9.1f}"
+            f"{(np.mean(closes) if closes else float('nan')):>13.1%}  {dict(outcomes)}",
+            flush=True,
+        )
+
+
+def run_scale(model: CostModel, args: argparse.Namespace) -> None:
+    path = args.data / FILES["wikipedia"]
+    source = path if path.exists() else resolve_dataset("wikipedia")
+    lengths, _ = admit(load_lengths(source), MAX_LENGTH, "truncate")
+    for world, n, limit in ((4096, 32768, 2.0), (16384, 131072, 8.0)):
+        p = Planner(
+            model, world=world, ranks_per_node=RANKS_PER_NODE, capacity=8192, time_limit=limit
+        )
+        draws = draw_batches(lengths, steps=args.scale_steps, seed=args.seed, global_batch_size=n)
+        for batch in draws:
+            t0 = time.perf_counter()
+            plan = p.plan(batch)
+            wall = time.perf_counter() - t0
+            t = plan.stats["timings"]
+            print(
+                f"{n} sequences / {world} ranks (time_limit {limit}): plan() {wall:.2f} s "
+                f"(construct {t['construct_seconds']:.2f}, validate {t['validate_seconds']:.2f}, "
+                f"bound {t['bound_seconds']:.2f}; {t['candidates']} candidates), gap "
+                f"{plan.stats['gap_to_lower_bound']:.1%} (old bound "
+                f"{plan.stats['gap_to_simple_bound']:.1%}), {len(plan.waves)} waves",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="batches at 512 sequences")
-    parser.add_argument("--large-steps", type=int, default=20, help="batches at 4096 sequences")
+    parser.add_argument("--steps", type=int, default=50, help="batches per scenario")
+    parser.add_argument("--cpsat-steps", type=int, default=10, help="batches given CP-SAT 1 s")
+    parser.add_argument("--time-limit", type=float, default=0.1)
+    parser.add_argument("--contention", type=int, default=1, help="busy processes (0: none)")
+    parser.add_argument("--profile", default="h100-reference")
     parser.add_argument("--data", type=Path, default=Path("../shared/datasets"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", action="store_true", help="also plan 4096- and 16384-rank steps")
+    parser.add_argument("--scale-steps", type=int, default=2)
+    parser.add_argument("--no-quality", action="store_true")
     args = parser.parse_args()
-    model = CostModel.load("h100-reference", ranks_per_node=8)
-    for name, file in FILES.items():
-        path = args.data / file
-        source = path if path.exists() else resolve_dataset(name)
-        lengths, admission = admit(load_lengths(source), MAX_LENGTH, "truncate")
-        print(f"\n=== {name}: {source} ({len(lengths)} documents; {admission.summary()})")
-        for world, n in SIZES:
-            steps = args.steps if n == 512 else args.large_steps
-            batches = list(draw_batches(lengths, steps=steps, seed=args.seed, global_batch_size=n))
-            runs = planners(model, world, 1.0 if n == 512 else 2.0)
-            rows = {}
-            for policy, planner in runs.items():
-                secs, gaps, lat = [], [], []
-                t0 = time.perf_counter()
-                for batch in batches:
-                    plan = planner.plan(batch)
-                    secs.append(plan.stats["predicted_step_seconds"])
-                    gaps.append(plan.stats["gap_to_lower_bound"])
-                    lat.append(plan.stats["timings"]["plan_seconds"])
-                rows[policy] = (
-                    np.mean(secs),
-                    np.mean(gaps),
-                    np.max(gaps),
-                    lat,
-                    time.perf_counter() - t0,
-                    dict(planner.solver_status_counts),
-                )
-            print(f"--- {n} sequences / {world} ranks, {steps} batches")
-            print(
-                f"{'policy':<15}{'step s':>8}{'gap':>8}{'max gap':>9}{'vs static':>10}"
-                f"{'vs megatron':>12}{'p50 ms':>9}{'p99 ms':>9}  solver outcomes"
-            )
-            for policy, (mean, gap, gmax, lat, _, status) in rows.items():
-                print(
-                    f"{policy:<15}{mean:>8.3f}{gap:>8.1%}{gmax:>9.1%}"
-                    f"{rows['static'][0] / mean:>9.3f}x{rows['megatron'][0] / mean:>11.3f}x"
-                    f"{np.percentile(lat, 50) * 1e3:>9.1f}{np.percentile(lat, 99) * 1e3:>9.1f}"
-                    f"  {status if status else ''}"
-                )
+    model = CostModel.load(args.profile, ranks_per_node=RANKS_PER_NODE)
+    print(
+        f"profile {args.profile}; {SEQUENCES} sequences / {WORLD} ranks; dyncp time_limit "
+        f"{args.time_limit}; {args.steps} batches per scenario; {os.cpu_count()} CPUs; "
+        f"contention: {args.contention} busy process(es)"
+    )
+    if not args.no_quality:
+        run_quality(model, args)
+    if args.scale:
+        run_scale(model, args)
 
 
 if __name__ == "__main__":
