@@ -13,51 +13,106 @@ on SIGINT/SIGTERM or after ``--duration`` seconds, and prints its counters.
 (``dyncp.runtime.measure.StoreMeasurements``), publishes each adopted version in the Store before
 pricing plans with it (readers' fallbacks name the version they use), and with
 ``--save-profile`` writes the calibrated profile after each adopted refit.
+
+Plans are signed with the job's secret when ``DYNCP_PLAN_SECRET`` (or ``DYNCP_PLAN_SECRET_FILE``)
+is set, as on every rank. A startup error (bad option, dataset, profile, unreachable store) is one
+line on stderr and exit status 2; if the Store or the planning thread dies while serving, one
+line says why and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
 from dyncp.calibration import OnlineCalibrator
 from dyncp.cost_model import CostModel
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.datasets import DatasetError, load_lengths, resolve_dataset
 from dyncp.model_channel import ServiceCalibration
 from dyncp.plan import Topology
 from dyncp.planner import POLICIES, Planner
 from dyncp.sampler import OVERLONG, BatchSchedule
 from dyncp.service import PlanService
 
+#: How often the main thread checks that the planning thread is alive.
+WATCH_SECONDS = 0.2
+
+
+class StartupError(Exception):
+    """A problem found before serving; ``main`` prints it as one line."""
+
+
+def _count(minimum: int):  # noqa: ANN202 - an argparse type
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(*, zero: bool):  # noqa: ANN202 - an argparse type
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 if zero else value > 0) or value == float("inf"):
+            bound = ">= 0" if zero else "> 0"
+            raise argparse.ArgumentTypeError(f"expected finite seconds {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Option errors as one line (``--help`` still shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"dyncp.serve: error: {message} (see --help)\n")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dyncp.serve", description=__doc__.splitlines()[0])
+    p = _OneLineParser(prog="python -m dyncp.serve", description=__doc__.splitlines()[0])
     p.add_argument("--host", required=True, help="host of the job's TCPStore")
-    p.add_argument("--port", type=int, required=True, help="port of the job's TCPStore")
+    p.add_argument("--port", type=_count(1), required=True, help="port of the job's TCPStore")
     p.add_argument("--prefix", default="default", help="the samplers' prefix= (job namespace)")
     p.add_argument("--dataset", required=True, help="lengths file or bundled name (as the job)")
     p.add_argument("--column", default=None, help="column/key holding the lengths")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--ranks-per-node", type=int, default=8)
-    p.add_argument("--capacity", type=int, required=True, help="tokens per rank per micro-batch")
+    p.add_argument("--world", type=_count(1), required=True)
+    p.add_argument("--ranks-per-node", type=_count(1), default=8)
+    p.add_argument(
+        "--capacity", type=_count(1), required=True, help="tokens per rank per micro-batch"
+    )
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--global-batch-tokens", type=int)
-    size.add_argument("--global-batch-size", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    size.add_argument("--global-batch-tokens", type=_count(1))
+    size.add_argument("--global-batch-size", type=_count(1))
+    p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--drop-last", action="store_true")
     p.add_argument("--overlong", choices=OVERLONG, default="error")
     p.add_argument("--profile", default="h100-reference", help="cost-model profile name or path")
     p.add_argument("--policy", choices=POLICIES, default="dyncp")
-    p.add_argument("--time-limit", type=float, default=1.0, help="planner seconds per step")
-    p.add_argument("--lookahead", type=int, default=2)
-    p.add_argument("--duration", type=float, default=0.0, help="stop after N seconds (0: never)")
-    p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--time-limit", type=_seconds(zero=False), default=1.0, help="planner seconds per step"
+    )
+    p.add_argument("--lookahead", type=_count(0), default=2)
+    p.add_argument(
+        "--duration", type=_seconds(zero=True), default=0.0, help="stop after N s (0: never)"
+    )
+    p.add_argument("--connect-timeout", type=_seconds(zero=False), default=60.0)
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
     p.add_argument("--refit-every", type=int, default=64, help="micro-batches between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
@@ -66,6 +121,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="dyncp.serve: %(message)s")
+    try:
+        service = _start(args)
+    except StartupError as exc:
+        print(f"dyncp.serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    end = None if not args.duration else time.monotonic() + args.duration
+    status = 0
+    while not stop.wait(WATCH_SECONDS):
+        if not service.alive:
+            why = service.failure or "the planning thread stopped"
+            print(f"dyncp.serve: error: stopped serving: {_one_line(why)}", file=sys.stderr)
+            status = 1
+            break
+        if end is not None and time.monotonic() >= end:
+            break
+    service.stop()
+    print(f"dyncp.serve: {service.counters}", flush=True)
+    calibration = service.calibration
+    if calibration is not None:
+        cal = calibration.calibrator
+        print(
+            f"dyncp.serve: cost model v{cal.current.version} after {cal.refits} refits "
+            f"({cal.buffer.seen} micro-batches measured, {cal.rejected} records rejected)",
+            flush=True,
+        )
+    return status
+
+
+def _one_line(what: object) -> str:
+    """The first line of an error (torch's store errors append C++ stack frames)."""
+    lines = [line.strip() for line in str(what).splitlines() if line.strip()]
+    text = lines[0] if lines else type(what).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _start(args: argparse.Namespace) -> PlanService:
+    """Everything before serving; any problem is a StartupError that names it."""
+    try:
+        return _build(args)
+    except (DatasetError, ValueError, OSError) as exc:  # ProfileError is a ValueError
+        raise StartupError(_one_line(exc)) from None
+    except RuntimeError as exc:  # torch's store errors (DistNetworkError, DistStoreError)
+        raise StartupError(
+            f"cannot reach the job's TCPStore at {args.host}:{args.port}: {_one_line(exc)}"
+        ) from None
+
+
+def _build(args: argparse.Namespace) -> PlanService:
     model = CostModel.load(args.profile, ranks_per_node=args.ranks_per_node)
     topology = Topology(args.world, args.ranks_per_node, args.capacity)
     planner = Planner(
@@ -106,26 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         lookahead=args.lookahead,
         calibration=calibration,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    service.start()
     print(
         f"dyncp.serve: {len(schedule.lengths)} samples, world {args.world}, prefix "
-        f"{args.prefix!r}, store {args.host}:{args.port}",
+        f"{args.prefix!r}, store {args.host}:{args.port}, plans "
+        f"{'signed' if service.signer.authenticated else 'UNSIGNED'}",
         flush=True,
     )
-    service.start()
-    stop.wait(args.duration or None)
-    service.stop()
-    print(f"dyncp.serve: {service.counters}", flush=True)
-    if calibration is not None:
-        cal = calibration.calibrator
-        print(
-            f"dyncp.serve: cost model v{cal.current.version} after {cal.refits} refits "
-            f"({cal.buffer.seen} micro-batches measured, {cal.rejected} records rejected)",
-            flush=True,
-        )
-    return 0
+    return service
 
 
 if __name__ == "__main__":

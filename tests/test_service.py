@@ -25,8 +25,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dyncp.cost_model import CostModel
+from dyncp.plan import PlanError
+from dyncp.plan_auth import (
+    FALLBACK,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    PlanSigner,
+    UnauthenticatedPlansWarning,
+    is_fallback,
+)
 from dyncp.planner import Planner
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
+from dyncp.serve import main as serve_main
 from dyncp.service import (
     PlanClient,
     PlanMismatchError,
@@ -39,6 +49,7 @@ from dyncp.service import (
 
 WORLD, CAPACITY = 4, 1024
 HANG_SECONDS = 60
+SECRET = b"a-per-job-secret-of-32-bytes...."
 
 
 @functools.lru_cache
@@ -427,3 +438,170 @@ def test_four_gloo_ranks_execute_identical_plans(
     for r in res:
         assert r["mismatch"]["ranks"] == [3], r["mismatch"]
         assert "ranks [3] executed a different plan" in r["mismatch"]["message"]
+
+
+# ------------------------------------------------------------------------------ hostile Store
+
+
+def test_bad_cursors_are_counted_and_the_service_keeps_serving(master) -> None:
+    schedule = make_schedule(make_lengths())
+    service = PlanService(
+        client(master), source=schedule, planner=make_planner(), prefix="cur", secret=SECRET
+    )
+    with service:
+        for bad in (b"abc", b"", b"1 2 3", b"-1 0", b"0 x", b"9" * 40 + b" 0"):
+            master.set("dyncp/cur/cursor", bad)
+            time.sleep(0.02)
+        assert service.alive and service.counters.bad_cursors >= 1
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="cur",
+            rank=0,
+            deadline=HANG_SECONDS / 2,
+            secret=SECRET,
+        )
+        got = read_all(reader, 3)
+    assert [g[1] for g in got] == ["service"] * 3
+    assert service.counters.errors == service.counters.bad_cursors > 0
+    assert "bad cursor" in service.counters.last_error
+
+
+def test_signed_channel_rejects_unsigned_and_foreign_records(master) -> None:
+    schedule = make_schedule(make_lengths())
+    ids, lengths = schedule.batch(0, 0)
+    plan = plan_batch(make_planner(policy="static", max_length=WORLD * CAPACITY), ids, lengths)
+    body = plan.to_json().encode()
+    real = plan_batch(make_planner(), *schedule.batch(0, 3)).to_json().encode()
+    foreign = PlanSigner(b"another-secret-of-16+bytes")
+    own = PlanSigner(SECRET)
+    records = {
+        0: body,  # unsigned
+        1: foreign.seal(step_key("sig", 0, 1), body),  # another job's secret
+        2: own.seal(step_key("sig", 0, 0), body),  # replayed from another key
+        3: own.seal(step_key("sig", 0, 3), real),  # the real thing
+    }
+    for step, record in records.items():
+        master.set(step_key("sig", 0, step), record)
+    reader = PlanClient(
+        client(master),
+        source=schedule,
+        planner=make_planner(),
+        prefix="sig",
+        rank=0,
+        deadline=0.0,
+        secret=SECRET,
+    )
+    got = [reader.fetch(0, s) for s in range(4)]
+    assert [(f.source, f.reason) for f in got] == [("fallback", "rejected")] * 3 + [
+        ("service", None)
+    ]
+    fallback = fallback_planner(make_planner())
+    assert plan_digest(got[0].plan) == plan_digest(plan_batch(fallback, ids, lengths))
+
+
+def test_without_a_secret_the_channel_warns_once(master, monkeypatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    with pytest.warns(UnauthenticatedPlansWarning, match="UNAUTHENTICATED"):
+        PlanSigner.from_env()
+
+
+def test_secret_from_a_file_and_too_short_secrets(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    signer = PlanSigner.from_env()
+    assert signer.open("k", PlanSigner(SECRET).seal("k", b"x")) == b"x"
+    monkeypatch.setenv(SECRET_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the plan secret"):
+        PlanSigner.from_env()
+    with pytest.raises(ValueError, match="at least 16"):
+        PlanSigner(b"short")
+
+
+def test_fallback_records_may_carry_a_signed_suffix() -> None:
+    own = PlanSigner(SECRET)
+    record = own.seal("k", FALLBACK + b" v3")
+    assert is_fallback(own.open("k", record)) and own.open("k", record).endswith(b" v3")
+    with pytest.raises(PlanError, match="wrong signature"):
+        own.open("k", record.replace(b"v3", b"v4"))
+
+
+# ------------------------------------------------------------------------------ serve CLI
+
+
+def _serve(*args: str) -> list[str]:
+    base = ["--host", "127.0.0.1", "--world", str(WORLD), "--ranks-per-node", str(WORLD)]
+    base += ["--capacity", str(CAPACITY), "--global-batch-size", "8"]
+    return [*base, *args]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--dataset", "/nonexistent/x.npy"], "no such file"),
+        (["--profile", "no-such-profile"], "profile"),
+        (["--lookahead", "-1"], "--lookahead"),
+        (["--time-limit", "0"], "--time-limit"),
+        (["--world", "12", "--ranks-per-node", "8"], "whole number of nodes"),
+        (["--port", "1", "--connect-timeout", "0.5"], "cannot reach the job's TCPStore"),
+    ],
+)
+def test_serve_startup_errors_are_one_line(
+    args: list[str], expected: str, tmp_path: Path, capsys
+) -> None:
+    np.save(tmp_path / "lengths.npy", make_lengths())
+    dataset = ["--dataset", str(tmp_path / "lengths.npy")]
+    full = _serve(*dataset, "--port", "9", "--connect-timeout", "0.5", *args)
+    try:
+        status = serve_main(full)
+    except SystemExit as exc:  # an option error, from argparse
+        status = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("dyncp.serve: error: "), err
+    assert expected in err[0], err
+
+
+def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
+    np.save(tmp_path / "lengths.npy", np.array([5, WORLD * CAPACITY * 2]))
+    status = serve_main(_serve("--dataset", str(tmp_path / "lengths.npy"), "--port", "9"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "longer than" in err[0], err
+
+
+def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
+    np.save(tmp_path / "lengths.npy", make_lengths())
+    store_proc = subprocess.Popen(
+        [sys.executable, "-c", _MASTER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(store_proc.stdout.readline())
+        args = _serve("--dataset", str(tmp_path / "lengths.npy"), "--port", str(port))
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "dyncp.serve", *args, "--connect-timeout", "5"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert "dyncp.serve:" in serve.stdout.readline()  # serving
+        store_proc.kill()
+        store_proc.wait()
+        _, err = serve.communicate(timeout=HANG_SECONDS)
+    finally:
+        store_proc.kill()
+    assert serve.returncode == 1, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "stopped serving" in lines[0], err
+
+
+_MASTER = """
+import datetime, time, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                  wait_for_workers=False)
+print(s.port, flush=True)
+time.sleep(120)
+"""
