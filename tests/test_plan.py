@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -725,3 +726,160 @@ def test_random_plans_break_when_a_sequence_is_dropped_or_repeated(
     dropped = StepPlan(topology=plan.topology, lengths=plan.lengths, waves=tuple(waves))
     err = raises_rule(dropped, "exactly-once")
     assert err.ids == (victim,)
+
+
+# ------------------------------------------------------------------------------ total decoding
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _decode(text: str | bytes) -> StepPlan | None:
+    """StepPlan, or None for a PlanError; any other exception fails the test."""
+    try:
+        plan = StepPlan.from_json(text)
+    except PlanError as exc:
+        assert exc.rule == "decode"
+        return None
+    with contextlib.suppress(PlanError):
+        plan.validate()  # a decoded plan is checkable without crashing
+    return plan
+
+
+def _paths(value: object, prefix: tuple = ()) -> list[tuple]:
+    """Every path (keys and indices) into a JSON value."""
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _replace(value: object, path: tuple, new: object) -> object:
+    if not path:
+        return new
+    copy = json.loads(json.dumps(value))
+    node = copy
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = new
+    return copy
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_values)
+def test_any_json_value_decodes_to_a_plan_or_a_plan_error(value: object) -> None:
+    _decode(json.dumps(value))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=200))
+def test_any_bytes_decode_to_a_plan_or_a_plan_error(data: bytes) -> None:
+    _decode(data)
+
+
+PLAN_PATHS = _paths(valid_plan().to_dict())
+
+
+@settings(max_examples=400, deadline=None)
+@given(path=st.sampled_from(PLAN_PATHS), new=json_values)
+def test_wrong_types_at_every_field_give_a_plan_error(path: tuple, new: object) -> None:
+    _decode(json.dumps(_replace(valid_plan().to_dict(), path, new)))
+
+
+def _at(value: object, path: tuple) -> object:
+    for key in path:
+        value = value[key]  # type: ignore[index]
+    return value
+
+
+@pytest.mark.parametrize("path", PLAN_PATHS[1:], ids=lambda p: "/".join(map(str, p)))
+@pytest.mark.parametrize("new", ["x", None, 1.5, True, -1, 2**64, [], {}], ids=repr)
+def test_each_field_rejects_each_wrong_kind(path: tuple, new: object) -> None:
+    data = valid_plan().to_dict()
+    plan = _decode(json.dumps(_replace(data, path, new)))
+    free = (
+        (path[0] == "stats" and (len(path) > 1 or new == {}))  # informational, any object
+        or (path == ("policy",) and isinstance(new, str))
+        or (path == ("sample_ids",) and new is None)
+        or (new == [] and isinstance(_at(data, path), list))  # empty lists: validate() judges
+    )
+    assert (plan is not None) == free, (path, new)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '"x"',
+        "null",
+        "1e999",
+        "-1e999",
+        "NaN",
+        "Infinity",
+        "1" * 5000,
+        "[" * 100_000 + "]" * 100_000,
+        '{"schema_version": 1, "topology": ' + "[" * 50 + "]" * 50 + "}",
+        "{" * 50_000,
+        b"\xff\xfe\x00garbage",
+        "",
+    ],
+    ids=lambda t: repr(t[:20]),
+)
+def test_hostile_texts_are_plan_errors(text: str | bytes) -> None:
+    with pytest.raises(PlanError, match=r"^\[decode\]"):
+        StepPlan.from_json(text)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("lengths", [10**30], "lengths"),
+        ("lengths", [True], "lengths"),
+        ("lengths", "abc", "lengths"),
+        ("sample_ids", [1.0] * 8, "sample_ids"),
+        ("policy", 3, "policy"),
+        ("stats", [], "stats"),
+        ("waves", {}, "waves"),
+    ],
+)
+def test_field_errors_name_the_field(field: str, value: object, message: str) -> None:
+    data = valid_plan().to_dict()
+    data[field] = value
+    with pytest.raises(PlanError, match=message):
+        StepPlan.from_json(json.dumps(data))
+
+
+def test_huge_number_literal_in_a_field_names_the_field() -> None:
+    text = valid_plan().to_json().replace('"lengths": [4000,', '"lengths": [1e999,')
+    assert "1e999" in text
+    with pytest.raises(PlanError, match=r"lengths\[\] must be an integer"):
+        StepPlan.from_json(text)
+
+
+def test_deep_stats_are_refused() -> None:
+    data = valid_plan().to_dict()
+    deep: object = 1
+    for _ in range(40):
+        deep = [deep]
+    data["stats"] = {"x": deep}
+    with pytest.raises(PlanError, match="nests deeper"):
+        StepPlan.from_json(json.dumps(data))
+
+
+def test_world_must_be_whole_nodes() -> None:
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        Topology(world=12, ranks_per_node=8, capacity=16)
+    assert Topology(world=4, ranks_per_node=8, capacity=16).world == 4  # one node, partly used
+    assert Topology(world=24, ranks_per_node=8, capacity=16).world == 24
