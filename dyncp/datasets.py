@@ -279,6 +279,13 @@ def resolve_dataset(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
+    if p.is_dir():
+        raise DatasetError(
+            f"{p}: is a directory; give a file of lengths ({', '.join(SUPPORTED_SUFFIXES)}) or a "
+            f"bundled name ({', '.join(sorted(BUNDLED))})"
+        )
+    if p.exists():
+        raise DatasetError(f"{p}: not a regular file")
     raise DatasetError(
         f"{p}: no such file and not a bundled dataset name; "
         f"bundled names: {', '.join(sorted(BUNDLED))}"

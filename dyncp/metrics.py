@@ -524,8 +524,11 @@ class Metrics:
         """The Prometheus text format of ``exposition_registry()`` (what ``/metrics`` serves)."""
         return generate_latest(self.exposition_registry())
 
-    def serve(self, *, port: int, addr: str = "0.0.0.0") -> Exporter:
+    def serve(self, *, port: int, addr: str = "127.0.0.1") -> Exporter:
         """Serve ``/metrics`` over HTTP on ``addr:port`` (port 0: a free port) in a daemon thread.
+
+        Binds loopback unless ``addr`` says otherwise (e.g. ``"0.0.0.0"`` for a Prometheus on
+        another host): the metrics name the job's configuration and timings.
 
         Call it in one process per host (the plan service or rank 0); in multi-process mode it
         exposes the metrics of every process writing to ``PROMETHEUS_MULTIPROC_DIR``.

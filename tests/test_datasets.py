@@ -258,3 +258,10 @@ def test_round_trip(tmp_path_factory: pytest.TempPathFactory, values: list[int],
     else:
         pq.write_table(pa.table({"length": pa.array(values, pa.int64())}), p)
     assert load_lengths(p).tolist() == values
+
+
+def test_resolve_dataset_names_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="is a directory; give a file of lengths"):
+        resolve_dataset(str(tmp_path))
+    with pytest.raises(DatasetError, match="no such file"):
+        resolve_dataset(str(tmp_path / "absent.parquet"))

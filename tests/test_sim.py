@@ -130,10 +130,15 @@ def stream(batches: list[np.ndarray]) -> list[int]:
 def test_draw_batches_by_tokens(n: int, steps: int, seed: int, budget: int) -> None:
     # Distinct lengths identify the documents.
     lengths = np.random.default_rng(seed).permutation(np.arange(1, n + 1)) * 3
+    if int(lengths.sum()) < budget:  # smaller than one batch: refused, never recycled
+        with pytest.raises(ValueError, match="fewer than one global batch"):
+            list(draw_batches(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
+        return
     batches = list(draw_batches(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
     assert len(batches) == steps
     for b in batches:
         assert b.dtype == np.int64 and len(b) >= 1
+        assert len(set(b.tolist())) == len(b)  # no document twice in a step
         assert int(b.sum()) >= budget
         assert int(b[:-1].sum()) < budget  # the last document is what reached the budget
     # The stream of documents is a concatenation of shuffles of the whole dataset: every epoch
@@ -174,11 +179,15 @@ def test_draw_batches_seeds_and_epochs() -> None:
     # Wrapping: the second epoch is a different shuffle of the same documents.
     two = stream(list(draw_batches(lengths, steps=20, seed=1, global_batch_size=10)))
     assert two[:100] == a and sorted(two[100:]) == lengths.tolist() and two[100:] != a
-    # More documents than a batch holds in total: a batch wraps across epochs mid-way.
-    small = np.array([1, 2, 3])
-    batches = list(draw_batches(small, steps=2, seed=0, global_batch_size=5))
+    # A batch that wraps across epochs mid-way holds no document twice.
+    small = np.array([1, 2, 3, 4, 5])
+    batches = list(draw_batches(small, steps=5, seed=0, global_batch_size=4))
+    assert all(len(set(b.tolist())) == 4 for b in batches)
     docs = stream(batches)
-    assert sorted(docs[:3]) == [1, 2, 3] and sorted(docs[3:6]) == [1, 2, 3]
+    assert sorted(docs[:5]) == sorted(docs[5:10]) == [1, 2, 3, 4, 5]
+    # Fewer documents than one batch: said so, not silently recycled within a step.
+    with pytest.raises(ValueError, match="3 documents, fewer than one global batch of 5"):
+        list(draw_batches(small[:3], steps=2, seed=0, global_batch_size=5))
 
 
 def test_draw_batches_errors() -> None:
@@ -406,3 +415,115 @@ def test_planner_and_simulator_do_not_import_torch(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ----------------------------------------------------------------------------- edges
+
+
+def test_cli_seed_must_be_non_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    err = cli_error(capsys, "--seed", "-1")
+    assert "--seed" in err and ">= 0" in err and "Traceback" not in err
+
+
+def test_cli_json_into_a_missing_directory_fails_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = cli_error(capsys, "--json", str(tmp_path / "missing" / "out.json"))
+    assert "does not exist" in err and "missing" in err
+    assert "steps 1/" not in err  # nothing was replayed
+    assert "is a directory" in cli_error(capsys, "--json", str(tmp_path))
+
+
+def test_cli_world_must_be_whole_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    err = cli_error(capsys, "--world", "12", "--ranks-per-node", "8")
+    assert "whole number of nodes" in err and "ranks_per_node=8" in err
+
+
+def test_cli_directory_as_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = cli_error(capsys, "--dataset", str(tmp_path))
+    assert "is a directory" in err and "no such file" not in err
+
+
+def test_cli_dataset_smaller_than_one_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    txt = tmp_path / "tiny.txt"
+    txt.write_text("100\n200\n")
+    err = cli_error(capsys, "--dataset", str(txt))
+    assert "300 tokens, fewer than one global batch of 8192" in err, err
+    assert "--global-batch-tokens" in err
+    err = cli_error(capsys, "--dataset", str(txt), "--global-batch-size", "3")
+    assert "2 documents, fewer than one global batch of 3" in err, err
+
+
+def _summary(p50: float, p99: float, step: float = 1.234) -> dict:
+    policy = {
+        "mean_step_seconds": step,
+        "mean_imbalance": 1.5,
+        "mean_gap_to_lower_bound": 0.25,
+        "plan_seconds_p50": p50,
+        "plan_seconds_p99": p99,
+        "cp_histogram": {"1": 3, "8": 1},
+    }
+    return {
+        "policies": {"static": dict(policy), "megatron": dict(policy)},
+        "speedup_vs_static": {"static": 1.0, "megatron": 1.0},
+        "lower_bound_mean_step_seconds": 1.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("p50", "p99", "shown"),
+    [
+        (0.0123, 0.5, ["12.3ms", "500.0ms"]),
+        (99.0, 258.4, ["99.00s", "258s"]),
+        (258.4, 3600.0, ["258s", "3600s"]),
+        (120_000.0, 360_000.0, ["33.3h", "100.0h"]),
+    ],
+)
+def test_report_columns_never_run_together(p50: float, p99: float, shown: list[str]) -> None:
+    from dyncp.sim.report import format_table
+
+    table = format_table(_summary(p50, p99, step=123456.789))
+    for line in table.splitlines()[2:4]:
+        words = line.split()
+        assert words[:2] == [words[0], "123456.789"], line
+        assert words[5:7] == shown, line
+        assert len(words) == 9, line  # 7 columns and the 2-entry CP mix, all separated
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_lines_on_a_non_terminal_stream() -> None:
+    import io
+
+    from dyncp.sim.progress import Progress
+
+    stream, clock = io.StringIO(), _Clock()
+    bar = Progress(40, stream=stream, clock=clock)
+    for _ in range(40):
+        clock.now += 0.1
+        bar.update()
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [f"{4 * k}/40" for k in range(1, 11)]
+    # A slow replay: a line every 30 s even between tenths.
+    stream, clock = io.StringIO(), _Clock()
+    bar = Progress(1000, stream=stream, clock=clock)
+    for _ in range(20):
+        clock.now += 16.0
+        bar.update()
+    assert len(stream.getvalue().splitlines()) == 10  # 320 s: every 2nd step crosses 30 s
+    assert "steps 2/1000 (0%) 32.0 s" in stream.getvalue()
+
+
+def test_cli_progress_is_printed_when_stderr_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, _, err = run_cli(tmp_path, capsys, "--policies", "static")
+    assert "steps 3/3 (100%)" in err

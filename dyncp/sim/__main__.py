@@ -22,7 +22,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -38,6 +37,7 @@ from dyncp.datasets import (
 from dyncp.metrics import Exporter, Metrics
 from dyncp.plan import StepPlan
 from dyncp.planner.planner import POLICIES, Planner
+from dyncp.sim.progress import Progress
 from dyncp.sim.replay import (
     OVERLONG_ACTIONS,
     admit,
@@ -55,6 +55,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -129,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(POLICIES)}",
     )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
     obs = p.add_argument_group("metrics and plots")
     obs.add_argument(
@@ -214,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if value:
                 parser.error(f"{flag} needs --metrics-port")
+    if args.json is not None:
+        folder = args.json.parent
+        if args.json.is_dir():
+            parser.error(f"--json {args.json}: is a directory; give a file name")
+        if not folder.is_dir():
+            parser.error(f"--json {args.json}: directory {folder} does not exist")
     if not 0 <= args.plot_step < args.steps:
         parser.error(f"--plot-step {args.plot_step}: choose a step in 0..{args.steps - 1}")
     if args.plot is not None:
@@ -253,15 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         tokens = 2 * args.world * args.capacity
     if len(lengths) == 0:
         parser.error(f"no document left to replay: {admission.summary()}")
-    batches = list(
-        draw_batches(
-            lengths,
-            steps=args.steps,
-            seed=args.seed,
-            global_batch_tokens=tokens,
-            global_batch_size=args.global_batch_size,
+    try:
+        batches = list(
+            draw_batches(
+                lengths,
+                steps=args.steps,
+                seed=args.seed,
+                global_batch_tokens=tokens,
+                global_batch_size=args.global_batch_size,
+            )
         )
-    )
+    except ValueError as exc:
+        flag = "--global-batch-size" if args.global_batch_size else "--global-batch-tokens"
+        parser.error(f"--dataset {path}: {exc} ({flag})")
     metrics: Metrics | None = None
     exporter: Exporter | None = None
     if args.metrics_port is not None:
@@ -291,13 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None and step == args.plot_step:
             shown[name] = plan
 
-    bar = tqdm(
-        total=len(batches),
-        desc="steps",
-        unit="step",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-    )
+    bar = Progress(len(batches))
 
     def progress() -> None:
         bar.update(1)

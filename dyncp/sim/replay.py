@@ -88,17 +88,34 @@ def draw_batches(
     """Global batches drawn from a seeded shuffle of the documents (reshuffled each epoch).
 
     With ``global_batch_tokens`` a batch takes documents until it holds at least that many tokens;
-    with ``global_batch_size`` it takes that many documents.
+    with ``global_batch_size`` it takes that many documents. A batch never holds a document twice:
+    when an epoch ends inside a batch, the next shuffle puts that batch's documents last.
+
+    Raises:
+        ValueError: bad options, or a dataset smaller than one global batch (it would have to
+            repeat documents within a step).
     """
     if (global_batch_tokens is None) == (global_batch_size is None):
         raise ValueError("give exactly one of global_batch_tokens and global_batch_size")
     if len(lengths) == 0:
         raise ValueError("no documents to draw batches from")
+    if global_batch_size is not None and len(lengths) < global_batch_size:
+        raise ValueError(
+            f"the dataset has {len(lengths)} documents, fewer than one global batch of "
+            f"{global_batch_size}: a step would repeat documents; lower the batch size"
+        )
+    total = int(np.sum(lengths))
+    if global_batch_tokens is not None and total < global_batch_tokens:
+        raise ValueError(
+            f"the dataset holds {total} tokens, fewer than one global batch of "
+            f"{global_batch_tokens}: a step would repeat documents; lower the batch tokens"
+        )
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(lengths))
     pos = 0
     for _ in range(steps):
         batch: list[int] = []
+        taken: list[int] = []
         tokens = 0
         while (
             tokens < global_batch_tokens
@@ -106,12 +123,21 @@ def draw_batches(
             else len(batch) < global_batch_size  # type: ignore[operator]
         ):
             if pos == len(order):
-                order, pos = rng.permutation(len(lengths)), 0
-            s = int(lengths[order[pos]])
+                order, pos = _next_epoch(rng.permutation(len(lengths)), taken), 0
+            doc = int(order[pos])
             pos += 1
-            batch.append(s)
-            tokens += s
+            taken.append(doc)
+            batch.append(int(lengths[doc]))
+            tokens += batch[-1]
         yield np.asarray(batch, dtype=np.int64)
+
+
+def _next_epoch(order: np.ndarray, taken: list[int]) -> np.ndarray:
+    """``order`` with the documents already in the current batch moved last (kept in order)."""
+    if not taken:
+        return order
+    last = np.isin(order, taken)
+    return np.concatenate([order[~last], order[last]])
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 
 from dyncp.sim.replay import PolicyRun
 
-__all__ = ["summarise", "format_table"]
+__all__ = ["format_latency", "format_table", "summarise"]
 
 
 def _histogram(counter: dict[int, int]) -> dict[str, int]:
@@ -46,23 +46,51 @@ def summarise(runs: dict[str, PolicyRun], bounds: list[float]) -> dict[str, Any]
     return out
 
 
+def format_latency(seconds: float) -> str:
+    """A plan latency in at most 8 characters: ``12.3ms``, ``1.23s``, ``258s``, ``3.2h``."""
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f}ms"
+    if seconds < 100.0:
+        return f"{seconds:.2f}s"
+    if seconds < 100_000.0:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _cells(values: list[str], widths: list[int], left: int) -> str:
+    """Values right-aligned to ``widths`` (the first ``left`` left-aligned), always separated
+    by at least one space, so that a value wider than its column shifts the row instead of
+    running into its neighbour."""
+    out = []
+    for i, (v, w) in enumerate(zip(values, widths)):
+        out.append(f"{v:<{w}}" if i < left else f"{v:>{w}}")
+    return " ".join(out)
+
+
+_HEAD = ["policy", "step s", "vs static", "imbalance", "gap to LB", "plan p50", "plan p99"]
+_WIDTHS = [14, 9, 9, 9, 9, 9, 9]
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """A fixed-width table, one row per policy."""
     vs_static = summary.get("speedup_vs_static", {})
-    head = (
-        f"{'policy':<15}{'step s':>9}{'vs static':>10}{'imbalance':>10}{'gap to LB':>10}"
-        f"{'plan p50':>10}{'plan p99':>10}  CP sizes (share of sequences)"
-    )
+    head = _cells(_HEAD, _WIDTHS, 1) + "  CP sizes (share of sequences)"
     lines = [head, "-" * len(head)]
     for name, p in summary["policies"].items():
         hist = p["cp_histogram"]
         total = sum(hist.values()) or 1
         mix = " ".join(f"{cp}:{n / total:.1%}" for cp, n in hist.items())
         speed = f"{vs_static[name]:.3f}x" if name in vs_static else "-"
-        lines.append(
-            f"{name:<15}{p['mean_step_seconds']:>9.3f}{speed:>10}{p['mean_imbalance']:>10.3f}"
-            f"{p['mean_gap_to_lower_bound']:>10.1%}{p['plan_seconds_p50'] * 1e3:>8.1f}ms"
-            f"{p['plan_seconds_p99'] * 1e3:>8.1f}ms  {mix}"
-        )
-    lines.append(f"{'lower bound':<15}{summary['lower_bound_mean_step_seconds']:>9.3f}")
+        row = [
+            name,
+            f"{p['mean_step_seconds']:.3f}",
+            speed,
+            f"{p['mean_imbalance']:.3f}",
+            f"{p['mean_gap_to_lower_bound']:.1%}",
+            format_latency(p["plan_seconds_p50"]),
+            format_latency(p["plan_seconds_p99"]),
+        ]
+        lines.append(_cells(row, _WIDTHS, 1) + f"  {mix}")
+    bound = f"{summary['lower_bound_mean_step_seconds']:.3f}"
+    lines.append(_cells(["lower bound", bound], _WIDTHS[:2], 1))
     return "\n".join(lines)
