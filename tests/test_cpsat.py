@@ -395,7 +395,7 @@ def test_tiny_wall_clock_limit_returns_a_valid_plan() -> None:
     plan = planner.plan(lengths)
     plan.validate()
     status = plan.stats["solver"]["status"]
-    assert status in RAN | {"SKIPPED"}
+    assert status.split(":")[0] in RAN | {"SKIPPED"}
     assert sum(planner.solver_status_counts.values()) == 1
     assert planner.solver_status_counts[status.split(":")[0]] == 1
     assert plan.stats["predicted_step_seconds"] <= plan.stats["greedy_step_seconds"]
@@ -412,7 +412,7 @@ def test_short_wall_clock_limits_never_worse() -> None:
         plan = planner.plan(lengths)
         plan.validate()
         assert plan.stats["predicted_step_seconds"] <= plan.stats["greedy_step_seconds"]
-        assert plan.stats["solver"]["status"] in RAN | {"SKIPPED"}
+        assert plan.stats["solver"]["status"].split(":")[0] in RAN | {"SKIPPED"}
     assert sum(planner.solver_status_counts.values()) == 3
     assert set(planner.solver_status_counts) <= RAN | {"SKIPPED"}
 

@@ -49,6 +49,11 @@ __all__ = ["CpSatResult", "CpSatImprover"]
 log = logging.getLogger(__name__)
 
 US = 1e6  # integer unit: microseconds
+# Wall-clock mode: building the model may use at most this share of the time limit.
+BUILD_SHARE = 0.5
+# Model variables built per second here (measured: 107,136 bucket counts in 3.9 s on this 2-core
+# machine); a model that could not be built within BUILD_SHARE of the limit is not started.
+VARIABLES_PER_SECOND = 25_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +184,21 @@ class CpSatImprover:
             model.add_exactly_one(v for _, v in row)
             x_vars[i] = row
         n_vars: dict[tuple[int, int], list[tuple[int, list[int], cp_model.IntVar]]] = {}
+        estimate = sum(int((a.size >= key[0]).sum()) for key in buckets)
+        if not self.deterministic and estimate > VARIABLES_PER_SECOND * BUILD_SHARE * time_limit:
+            build = time.perf_counter() - start
+            return a, CpSatResult(
+                "SKIPPED: model too large for the time left", build, build, None, None,
+                False, len(big), len(buckets), estimate,
+            )
         for key, ids in buckets.items():
+            if not self.deterministic and time.perf_counter() - start > BUILD_SHARE * time_limit:
+                # The model alone would eat the deadline (thousands of slots): give up early.
+                build = time.perf_counter() - start
+                return a, CpSatResult(
+                    "SKIPPED: model too large for the time left", build, build, None, None,
+                    False, len(big), len(buckets), 0,
+                )
             min_cp = key[0]
             eligible = np.flatnonzero(a.size >= min_cp).tolist()
             count_now = np.zeros(slots, dtype=np.int64)

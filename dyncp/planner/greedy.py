@@ -310,9 +310,11 @@ class GreedyConstructor:
             return
         search = StructureSearch(self.costs, self.model.wave_overhead)
         rank_seconds = self.seconds * self.sizes[:, None]
+        # The stretch rule first: single moves cannot lower a floor that several equally long
+        # sequences share (truncated documents), a start that already spreads them can.
         starts = [
-            np.argmin(rank_seconds, axis=0),
             self.choose_sizes(1.0, 0),
+            np.argmin(rank_seconds, axis=0),
             self.choose_sizes(0.5, 0),
             np.argmin(self.alone, axis=0),
         ]
@@ -420,7 +422,8 @@ class GreedyConstructor:
         """The fastest candidate under the cost model (first one on ties).
 
         Anytime: with a ``deadline`` (``time.perf_counter()`` seconds) it stops pricing
-        candidates after the first that ends past ``CANDIDATE_SHARE`` of the time left, then runs
+        candidates when the next one, as slow as the last, would end past ``CANDIDATE_SHARE`` of
+        the time left (the first is always priced), then runs
         the local search (``dyncp.planner.local_search``) on the best until the deadline, and
         returns the best so far; ``tried`` counts the candidates priced. Without a deadline it
         prices them all and bounds the local search by rounds only (deterministic).
@@ -434,13 +437,17 @@ class GreedyConstructor:
             stop = now + CANDIDATE_SHARE * max(deadline - now, 0.0)
         self.deadline = stop
         best: tuple[float, StepPlan] | None = None
+        last = time.perf_counter()
         for plan in self.candidates():
             seconds = evaluate_plan(plan, self.model).step_seconds
             self.tried += 1
             if best is None or seconds < best[0]:
                 best = (seconds, plan)
-            if stop is not None and time.perf_counter() >= stop:
+            now = time.perf_counter()
+            # Stop when the next candidate, if it takes as long as this one, would end late.
+            if stop is not None and now + (now - last) >= stop:
                 break
+            last = now
         assert best is not None
         moved, self.moves = improve(Assignment.from_plan(best[1], self.costs), deadline)
         if self.moves:

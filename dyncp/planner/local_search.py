@@ -43,7 +43,6 @@ def improve(
     waves = a.wave
     rows = a.row
     n_waves = a.n_waves
-    slot_cost = t[rows]  # [slot, seq]: what each sequence would cost in each slot
     applied = 0
     stuck = np.zeros(n_waves, dtype=bool)
     for _ in range(max_rounds):
@@ -62,11 +61,11 @@ def improve(
         if second >= loads[crit] - EPS or not items[crit]:
             stuck[w] = True  # a tie: no single move lowers this wave
             continue
-        if _move(crit, w, second, items, where, loads, levels, waves, slot_cost, t, rows):
+        if _move(crit, w, second, items, where, loads, levels, waves, t, rows):
             applied += 1
             stuck[:] = False
             continue
-        if _swap(crit, w, second, items, where, loads, levels, waves, slot_cost, t, rows):
+        if _swap(crit, w, second, items, where, loads, levels, waves, t, rows):
             applied += 1
             stuck[:] = False
             continue
@@ -78,12 +77,12 @@ def _order(crit: int, items: list[list[int]], t: np.ndarray, rows: np.ndarray) -
     return sorted(items[crit], key=lambda i: (-t[rows[crit], i], i))[:MAX_TRIED]
 
 
-def _move(crit, w, second, items, where, loads, levels, waves, slot_cost, t, rows) -> bool:
+def _move(crit, w, second, items, where, loads, levels, waves, t, rows) -> bool:
     top = loads[crit]
     for i in _order(crit, items, t, rows):
         left = top - t[rows[crit], i]
         drop = top - max(second, left)  # how much wave w shortens without i
-        new = loads + slot_cost[:, i]  # every slot's load with i added
+        new = loads + t[rows, i]  # every slot's load with i added
         gain = drop - np.maximum(new - levels[waves], 0.0)
         same = waves == w
         # In wave w the new level is max(second, left, new load of the target).
@@ -96,7 +95,7 @@ def _move(crit, w, second, items, where, loads, levels, waves, slot_cost, t, row
     return False
 
 
-def _swap(crit, w, second, items, where, loads, levels, waves, slot_cost, t, rows) -> bool:
+def _swap(crit, w, second, items, where, loads, levels, waves, t, rows) -> bool:
     top = loads[crit]
     n = t.shape[1]
     seqs = np.arange(n)

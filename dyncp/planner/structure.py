@@ -79,33 +79,30 @@ class StructureSearch:
     # ------------------------------------------------------------------------------ fluid
     def levels(self, s: Structure) -> tuple[float, list[float], bool]:
         """Fluid step seconds, the level of each wave, and whether a wave of singles is added."""
+        return self._levels(np.asarray(s.ids, np.int64), np.asarray(s.wave), np.asarray(s.row))
+
+    def _levels(
+        self, ids: np.ndarray, wave: np.ndarray, row: np.ndarray
+    ) -> tuple[float, list[float], bool]:
         self.evaluations += 1
-        n_waves = max(s.wave) + 1 if s.wave else 0
         world = self.world
-        floor = [0.0] * n_waves
-        used = [0] * n_waves
-        for i, w, k in zip(s.ids, s.wave, s.row):
-            t = self.alone[k, i]
-            if t > floor[w]:
-                floor[w] = t
-            used[w] += int(self.sizes[k])
-        if any(u > world for u in used):
-            return float("inf"), [], False
-        free_cap = 0.0
-        slope = [float(world - u) for u in used]
-        for w in range(n_waves):
-            free_cap += (world - used[w]) * floor[w]
-        for i, w, k in zip(s.ids, s.wave, s.row):
-            c_eff = float(self.sizes[k]) * self.eff[k]
-            free_cap += c_eff * (floor[w] - self.alone[k, i])
-            slope[w] += c_eff
-        level = list(floor)
-        rest = self.work - free_cap
-        extra = False
-        if n_waves == 0:
-            level, extra = [], True
+        if len(ids) == 0:
             rest_level = self.work / world
             return rest_level + self.wave_overhead, [rest_level], True
+        n_waves = int(wave.max()) + 1
+        t = self.alone[row, ids]
+        c = self.sizes[row]
+        floor = np.zeros(n_waves)
+        np.maximum.at(floor, wave, t)
+        used = np.bincount(wave, weights=c, minlength=n_waves)
+        if (used > world).any():
+            return float("inf"), [], False
+        c_eff = c * self.eff[row]
+        free_cap = float(((world - used) * floor).sum() + (c_eff * (floor[wave] - t)).sum())
+        slope = (world - used) + np.bincount(wave, weights=c_eff, minlength=n_waves)
+        level = floor.tolist()
+        rest = self.work - free_cap
+        extra = False
         if rest > 0:
             best = int(np.argmax(slope))
             raise_cost = rest / slope[best] if slope[best] > 0 else float("inf")
@@ -115,8 +112,7 @@ class StructureSearch:
             else:
                 extra = True
                 level.append(rest / world)
-        total = sum(level) + len(level) * self.wave_overhead
-        return total, level, extra
+        return sum(level) + len(level) * self.wave_overhead, level, extra
 
     # ------------------------------------------------------------------------------ search
     def start(self, rows: np.ndarray) -> Structure:
@@ -137,41 +133,37 @@ class StructureSearch:
 
     def improve(self, s: Structure, deadline: float | None, max_passes: int = 6) -> Structure:
         """Single moves (size up/down, another wave, a new wave) while the fluid cost falls."""
-        best, _, _ = self.levels(s)
+        ids = np.asarray(s.ids, dtype=np.int64)
+        wave = np.asarray(s.wave, dtype=np.int64)
+        row = np.asarray(s.row, dtype=np.int64)
+        best, _, _ = self._levels(ids, wave, row)
         top = len(self.sizes) - 1
         for _ in range(max_passes):
             improved = False
-            order = sorted(range(len(s.ids)), key=lambda j: -self.alone[s.row[j], s.ids[j]])
-            for j in order:
+            for j in np.argsort(-self.alone[row, ids], kind="stable").tolist():
                 if deadline is not None and time.perf_counter() >= deadline:
-                    return s
-                i = s.ids[j]
-                n_waves = max(s.wave) + 1
+                    return _structure(ids, wave, row)
+                i = int(ids[j])
                 options = []
                 for dk in (-1, 1):
-                    k = s.row[j] + dk
+                    k = int(row[j]) + dk
                     if 0 <= k <= top and np.isfinite(self.alone[k, i]):
-                        options.append((s.wave[j], k))
-                for w in range(n_waves + 1):
-                    if w != s.wave[j]:
-                        options.append((w, s.row[j]))
+                        options.append((int(wave[j]), k))
+                for w in range(int(wave.max()) + 2):
+                    if w != wave[j]:
+                        options.append((w, int(row[j])))
                 for w, k in options:
-                    wave = list(s.wave)
-                    row = list(s.row)
-                    wave[j], row[j] = w, k
-                    cand = Structure(s.ids, _compact(wave), tuple(row))
-                    cost, _, _ = self.levels(cand)
+                    cand_wave, cand_row = wave.copy(), row.copy()
+                    cand_wave[j], cand_row[j] = w, k
+                    cand_wave = np.unique(cand_wave, return_inverse=True)[1]
+                    cost, _, _ = self._levels(ids, cand_wave, cand_row)
                     if cost < best - 1e-12:
-                        best, s, improved = cost, cand, True
+                        best, wave, row, improved = cost, cand_wave, cand_row, True
                         break
             if not improved:
                 break
-        return s
+        return _structure(ids, wave, row)
 
 
-def _compact(wave: list[int]) -> tuple[int, ...]:
-    """Renumber waves 0..K-1 in order of first use (drops emptied waves)."""
-    names: dict[int, int] = {}
-    for w in sorted(set(wave)):
-        names[w] = len(names)
-    return tuple(names[w] for w in wave)
+def _structure(ids: np.ndarray, wave: np.ndarray, row: np.ndarray) -> Structure:
+    return Structure(tuple(ids.tolist()), tuple(wave.tolist()), tuple(row.tolist()))
