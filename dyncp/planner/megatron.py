@@ -16,6 +16,9 @@ in megatron/core/datasets/data_schedule_utils.py); the code is dyncp's own. Per 
    largest allowed size holding the wave's longest sequence) packing what fits; the rest waits.
 
 Each group runs one packed micro-batch per wave; waves repeat until every sequence is placed.
+Step 2 keeps, per CP size, the groups' packed tokens and workloads in arrays, so that choosing a
+group is one vectorised pass instead of a Python loop over every group (the same choice: the
+smallest resulting maximum workload, the earliest group on ties).
 Differences from Megatron, forced by dyncp's plan contract: memory counts zigzag padding (a
 multiple of 2c per sequence, so plans validate), and groups are laid out on aligned blocks
 (Megatron uses contiguous, possibly unaligned, ranks; the sizes and the work are the same).
@@ -44,6 +47,37 @@ class _WaveGroup:
         self.load = 0.0  # len^2 / cp summed, identical on every member rank
 
 
+class _SizeGroups:
+    """The groups of one CP size in creation order, with tokens and workloads as arrays."""
+
+    __slots__ = ("groups", "tokens", "loads")
+
+    def __init__(self) -> None:
+        self.groups: list[_WaveGroup] = []
+        self.tokens = np.zeros(16, dtype=np.int64)
+        self.loads = np.zeros(16, dtype=np.float64)
+
+    def add(self, g: _WaveGroup) -> int:
+        n = len(self.groups)
+        if n == len(self.tokens):
+            self.tokens = np.concatenate([self.tokens, np.zeros(n, dtype=np.int64)])
+            self.loads = np.concatenate([self.loads, np.zeros(n, dtype=np.float64)])
+        self.groups.append(g)
+        return n
+
+    def best(self, limit: int, work: float, peak: float) -> tuple[float, int] | None:
+        """(projected peak, index) of the group that takes ``work`` with the smallest resulting
+        peak among those whose tokens stay within ``limit`` (earliest on ties), or None."""
+        n = len(self.groups)
+        if not n:
+            return None
+        projected = np.maximum(peak, self.loads[:n] + work)
+        projected[self.tokens[:n] > limit] = np.inf
+        j = int(np.argmin(projected))
+        value = float(projected[j])
+        return None if value == np.inf else (value, j)
+
+
 def _padded(length: int, cp: int) -> int:
     return length if cp == 1 else -(-length // (2 * cp)) * 2 * cp
 
@@ -64,39 +98,43 @@ def _form_wave(
     g0.tokens = _padded(tall, g0.size)
     g0.load = tall * tall / g0.size
     groups = [g0]
+    by_size = {cp: _SizeGroups() for cp in sizes}
+    by_size[g0.size].add(g0)
+    by_size[g0.size].tokens[0], by_size[g0.size].loads[0] = g0.tokens, g0.load
     free = world - g0.size
     peak = g0.load
     leftovers: list[int] = []
 
     for i in order[1:]:
         s = int(lengths[i])
-        best: tuple[float, int, _WaveGroup | None] | None = None
+        best: tuple[float, int, int] | None = None  # (projected, cp, group index or -1: new)
         for cp in sizes:
             if cp < min_cp[i]:
                 continue
             work = s * s / cp
             pad = _padded(s, cp)
-            for g in groups:
-                if g.size != cp or g.tokens + pad > cp * cap_tokens:
-                    continue
-                projected = max(peak, g.load + work)
-                if projected <= cap and (best is None or projected < best[0]):
-                    best = (projected, cp, g)
+            found = by_size[cp].best(cp * cap_tokens - pad, work, peak)
+            if found is not None and found[0] <= cap and (best is None or found[0] < best[0]):
+                best = (found[0], cp, found[1])
             if free >= cp:
                 projected = max(peak, work)
                 if projected <= cap and (best is None or projected < best[0]):
-                    best = (projected, cp, None)
+                    best = (projected, cp, -1)
         if best is None:
             leftovers.append(i)
             continue
-        projected, cp, g = best
-        if g is None:
+        projected, cp, j = best
+        same = by_size[cp]
+        if j < 0:
             g = _WaveGroup(cp)
             groups.append(g)
+            j = same.add(g)
             free -= cp
+        g = same.groups[j]
         g.ids.append(i)
         g.tokens += _padded(s, cp)
         g.load += s * s / cp
+        same.tokens[j], same.loads[j] = g.tokens, g.load
         peak = projected
 
     while free > 0:
