@@ -7,8 +7,10 @@ Two parts, both on this machine's CPUs:
 1. ``--world`` gloo processes (one thread each) call, ``--iters`` times each, on one CPU group:
    ``agree`` (dyncp.agreement: a synchronous all_gather of 3 int64 and the comparison), and, as
    the baseline measured in the same run, ``dist.barrier`` (the cheapest synchronisation there
-   is) and a bare ``all_gather`` of the same 24 bytes. Printed: p50 and p99 microseconds per call
-   on rank 0 and the ratio of each to the barrier.
+   is) and a bare ``all_gather`` of the same 24 bytes; and ``runtime.execute`` of a 2-wave plan
+   whose ``step_fn`` does nothing (the agreement, the plan checks and one status exchange per
+   wave: the runtime's whole per-step overhead). Printed: p50 and p99 microseconds per call on
+   rank 0 and the ratio of each to the barrier.
 2. ``plan_digest`` (the blake2b hash of a plan's JSON that every rank computes each step) on plans
    of realistic sizes: dyncp greedy plans of one global batch (2 x world x 8192 tokens of the
    bundled Wikipedia sample) at 64 and 512 ranks, and a megatron-policy plan of 32,768 sequences
@@ -32,14 +34,25 @@ import torch.multiprocessing as mp
 from dyncp.agreement import agree
 from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.plan import Topology, plan_digest
+from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
 from dyncp.planner import Planner
 from dyncp.planner.megatron import megatron_plan
+from dyncp.runtime import GroupPool, execute
 
 
 def _percentiles(seconds: list[float]) -> tuple[float, float]:
     us = np.asarray(seconds) * 1e6
     return float(np.percentile(us, 50)), float(np.percentile(us, 99))
+
+
+def _two_wave_plan(world: int) -> StepPlan:
+    """Wave 0: every rank alone; wave 1: one group of all ranks."""
+    mb = MicroBatch
+    waves = (
+        Wave(tuple(Group(r, 1, (mb((r,)),)) for r in range(world))),
+        Wave((Group(0, world, (mb((world,)),)),)),
+    )
+    return StepPlan(Topology(world, world, 64), (8,) * (world + 1), waves)
 
 
 def _worker(rank: int, world: int, iters: int, tmp: str, out: str) -> None:
@@ -54,10 +67,13 @@ def _worker(rank: int, world: int, iters: int, tmp: str, out: str) -> None:
     group = dist.new_group(backend="gloo")
     mine = torch.tensor([0, 0, 123], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
+    pool = GroupPool(warmup=True)
+    plan = _two_wave_plan(world)
     ops = {
         "barrier": lambda step: dist.barrier(group=group),
         "all_gather 24 B": lambda step: dist.all_gather(gathered, mine, group=group),
         "agree": lambda step: agree(group, where=(0, step), digest=123, label=f"step {step}"),
+        "execute 2 waves": lambda step: execute(plan, pool, lambda ctx: None),
     }
     times: dict[str, list[float]] = {}
     for name, op in ops.items():
