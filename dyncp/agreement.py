@@ -20,7 +20,13 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["PlanAgreementError", "PlanMismatchError", "agree", "format_digest"]
+__all__ = [
+    "PendingAgreement",
+    "PlanAgreementError",
+    "PlanMismatchError",
+    "agree",
+    "format_digest",
+]
 
 
 class PlanAgreementError(RuntimeError):
@@ -46,6 +52,46 @@ def format_digest(digest: int) -> str:
     return f"{digest & (2**64 - 1):016x}"
 
 
+class PendingAgreement:
+    """One comparison in flight: the all_gather is started now and checked by :meth:`result`.
+
+    Ranks must start their comparisons in the same order on the group (each one is a
+    collective); several may be in flight at once.
+    """
+
+    def __init__(
+        self, group: ProcessGroup, *, where: Sequence[int], digest: int, label: str
+    ) -> None:
+        self.group, self.label = group, label
+        self.ranks = list(dist.get_process_group_ranks(group))
+        mine = torch.tensor([*where, digest], dtype=torch.int64)
+        self._out = [torch.empty_like(mine) for _ in self.ranks]
+        try:
+            self._work = dist.all_gather(self._out, mine, group=group, async_op=True)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: BaseException) -> PlanAgreementError:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return PlanAgreementError(
+            f"{self.label}: the plan agreement over ranks {self.ranks[0]}..{self.ranks[-1]} "
+            f"failed (a rank did not arrive within the group's timeout or exited): {first}"
+        )
+
+    def result(self) -> None:
+        """Wait (at most the group's timeout) and raise unless every rank agreed.
+
+        Raises:
+            PlanMismatchError: some rank is at another position or holds another plan.
+            PlanAgreementError: the all_gather failed.
+        """
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+        _compare(self.ranks, [tuple(int(v) for v in t.tolist()) for t in self._out], self.label)
+
+
 def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str) -> None:
     """Raise on every rank of ``group`` unless all hold the same ``where`` and ``digest``.
 
@@ -60,17 +106,10 @@ def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str)
         PlanAgreementError: the all_gather failed (a rank did not arrive within the group's
             timeout, or its process died).
     """
-    ranks = list(dist.get_process_group_ranks(group))
-    mine = torch.tensor([*where, digest], dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in ranks]
-    try:
-        dist.all_gather(out, mine, group=group)
-    except RuntimeError as exc:
-        raise PlanAgreementError(
-            f"{label}: the plan agreement over ranks {ranks[0]}..{ranks[-1]} failed (a rank did "
-            f"not arrive within the group's timeout or exited): {str(exc).splitlines()[0]}"
-        ) from exc
-    rows = [tuple(int(v) for v in t.tolist()) for t in out]
+    PendingAgreement(group, where=where, digest=digest, label=label).result()
+
+
+def _compare(ranks: list[int], rows: list[tuple[int, ...]], label: str) -> None:
     if len(set(rows)) == 1:
         return
     counts = {row: rows.count(row) for row in rows}

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dyncp.agreement import agree
+from dyncp.agreement import PendingAgreement
 from dyncp.plan import StepPlan, padded_length
 from dyncp.planner.planner import Planner
 from dyncp.ring_attention.sharding import zigzag_positions, zigzag_shard
@@ -553,6 +553,16 @@ class _StorePlans:
 
 
 @dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A step whose plan is known and whose comparison is in flight."""
+
+    fetched: Fetched
+    wait: float
+    digest: int
+    agreement: PendingAgreement | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Resume:
     epoch: int
     step: int
@@ -582,12 +592,14 @@ class DynamicCPSampler:
             the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
         group: a CPU (gloo) process group over all ranks, e.g. ``dist.new_group(backend="gloo")``,
             used only for this: before the first micro-batch of each step is yielded, every rank
-            compares the step's plan digest with the others' (one blocking all_gather of 24
-            bytes) and, if any differs, every rank raises ``PlanMismatchError`` in that step. The
-            comparison is a rendezvous of the ranks' samplers at each step boundary, so iterate
-            the sampler in step with training: with ``num_workers=0``, or a DataLoader whose
-            prefetching does not make one rank's sampler wait at a step boundary for a rank
-            whose training waits on it (see the README's guarantees).
+            compares the step's plan digest with the others' (an all_gather of 24 bytes) and,
+            if any differs, every rank raises ``PlanMismatchError`` in that step.
+        agree_ahead: steps ahead of the one being yielded whose plans are fetched and compared
+            early (default 0: at the step boundary). The comparison of step N waits until every
+            rank's sampler has reached step N - agree_ahead; a DataLoader that prefetches P
+            micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
+            steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
+            0``: then no comparison waits for a rank whose training waits for this one.
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
 
     Raises:
@@ -616,6 +628,7 @@ class DynamicCPSampler:
         late_deadline: float = 0.05,
         secret: bytes | str | None = None,
         group: ProcessGroup | None = None,
+        agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
     ) -> None:
         topo = planner.topology
@@ -628,6 +641,8 @@ class DynamicCPSampler:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+        if not isinstance(agree_ahead, int) or agree_ahead < 0:
+            raise ValueError(f"agree_ahead must be an integer >= 0, got {agree_ahead!r}")
         if store is None and world_size > 1 and not planner.deterministic:
             raise ValueError(
                 "without a store every rank plans locally, so the planner must be deterministic "
@@ -681,7 +696,7 @@ class DynamicCPSampler:
                     secret=secret,
                 )
             self._source = _StorePlans(client, service)
-        self.group = group
+        self.group, self.agree_ahead = group, agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
         self._position = (0, 0, 0)  # (epoch, step, offset) after the last micro-batch yielded
@@ -732,9 +747,13 @@ class DynamicCPSampler:
             if len(dropped):
                 self.counters.dropped_samples += len(dropped)
                 log.info("drop_last drops %d samples from epoch %d", len(dropped), epoch)
-        for step in range(start, self.schedule.num_steps(epoch)):
-            plan = restored if step == start else None
-            batches = self._step(epoch, step, plan)
+        steps = self.schedule.num_steps(epoch)
+        ahead: dict[int, _Prepared] = {}
+        for step in range(start, steps):
+            for s in range(step, min(step + self.agree_ahead, steps - 1) + 1):
+                if s not in ahead:  # in step order on every rank: the comparisons' order
+                    ahead[s] = self._prepare(epoch, s, restored if s == start else None)
+            batches = self._finish(epoch, step, ahead.pop(step))
             if offset > len(batches):
                 raise ValueError(
                     f"restored offset {offset} but rank {self.rank} has {len(batches)} "
@@ -748,7 +767,8 @@ class DynamicCPSampler:
                 yield mb
             offset = 0
 
-    def _step(self, epoch: int, step: int, plan: StepPlan | None) -> list[MicroBatchIndices]:
+    def _prepare(self, epoch: int, step: int, plan: StepPlan | None) -> _Prepared:
+        """Obtain a step's plan and start comparing its digest with the other ranks'."""
         start = time.perf_counter()
         if plan is not None:
             ids, lengths = self.schedule.batch(epoch, step)
@@ -757,11 +777,19 @@ class DynamicCPSampler:
         else:
             fetched = self._source.fetch(epoch, step)
         wait = time.perf_counter() - start
-        plan = fetched.plan
-        digest = plan_digest(plan)
+        digest = plan_digest(fetched.plan)
+        pending = None
         if self.group is not None:
             label = f"epoch {epoch} step {step}"
-            agree(self.group, where=(epoch, step), digest=digest, label=label)
+            pending = PendingAgreement(self.group, where=(epoch, step), digest=digest, label=label)
+        return _Prepared(fetched, wait, digest, pending)
+
+    def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
+        """Wait for the step's comparison (raises on a mismatch), then its micro-batches."""
+        if prepared.agreement is not None:
+            prepared.agreement.result()
+        fetched, wait, digest = prepared.fetched, prepared.wait, prepared.digest
+        plan = fetched.plan
         batches = rank_microbatches(
             plan,
             rank=self.rank,

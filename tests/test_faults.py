@@ -6,6 +6,10 @@ is T seconds (so a hang costs seconds, not minutes). Properties asserted:
 - execute: whatever one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run
   another plan, exit -- every other rank raises within 2 T, and the error names that rank (and
   its exception where it raised one); the groups use the job's timeout (T) without being told.
+- sampler under DataLoader-like prefetch (4 micro-batches pulled ahead of training, ring and
+  gradient collectives per step): with ``agree_ahead=0`` the per-step comparison waits for a
+  rank whose training waits for this one, and every rank fails within 2 T; with
+  ``agree_ahead=5`` training runs through and every sample is trained exactly once.
 - sampler over a plan service: values written into the Store by someone else (a forged
   unsigned plan, non-object JSON, 1e999, deep nesting, garbage cursors, an overwrite after rank
   0 read the key) end in a consistent fallback on every rank with exactly-once intact, or in a
@@ -21,6 +25,7 @@ import os
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dyncp.agreement import PlanMismatchError
+from dyncp.agreement import PlanAgreementError, PlanMismatchError
 from dyncp.cost_model import CostModel
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.plan_auth import PlanSigner
@@ -207,6 +212,58 @@ def _overwrite_after_rank0(rank: int, port: int) -> dict:
     )
 
 
+PREFETCH = 4  # micro-batches a DataLoader (prefetch_factor x num_workers) holds ahead
+
+
+def _prefetching_training(rank: int, agree_ahead: int) -> dict:
+    """A training loop that pulls PREFETCH micro-batches ahead of the one it trains, runs a ring
+    collective per micro-batch and a gradient all_reduce per step."""
+    pool = GroupPool()
+    rng = np.random.default_rng(5)
+    lengths = np.clip(rng.lognormal(5.0, 1.5, 200).astype(np.int64), 1, WORLD * 256)
+    planner = Planner(
+        _model(), world=WORLD, ranks_per_node=WORLD, capacity=256, deterministic=True, cpsat=None
+    )
+    sampler = DynamicCPSampler(
+        lengths,
+        world_size=WORLD,
+        rank=rank,
+        capacity=256,
+        planner=planner,
+        global_batch_tokens=2 * WORLD * 256,
+        group=dist.new_group(backend="gloo"),
+        agree_ahead=agree_ahead,
+    )
+    it, queue, samples = iter(sampler), deque(), []
+    out: dict = {"kind": "ok"}
+    start = time.monotonic()
+
+    def fill() -> None:
+        while len(queue) < PREFETCH:
+            try:
+                queue.append(next(it))
+            except StopIteration:
+                return
+
+    try:
+        fill()
+        while queue:
+            mb = queue.popleft()
+            fill()
+            m = mb.meta
+            if m.cp > 1:
+                dist.all_reduce(torch.ones(1), group=pool.group(m.group_start, m.group_size))
+            if m.rank_in_group == 0:
+                samples.extend(mb)
+            if m.last_in_step:
+                dist.all_reduce(torch.ones(1))  # the gradient reduction
+    except (PlanAgreementError, RuntimeError) as exc:
+        out.update(kind=type(exc).__name__, message=str(exc).splitlines()[0])
+    out.update(seconds=time.monotonic() - start, samples=[int(i) for i in samples])
+    out["num_samples"] = len(lengths)
+    return out
+
+
 # ---------------------------------------------------------------------------------- the spawn
 
 
@@ -234,6 +291,8 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("forged", _sampler_run, rank, port, "forged", secret=SECRET)
     scenario("garbage", _sampler_run, rank, port, "garbage")
     scenario("overwrite", _overwrite_after_rank0, rank, port)
+    scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
+    scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     for fault in EXECUTE_FAULTS:
         store = _scenario_store(tmp, fault)
         scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
@@ -342,3 +401,15 @@ def test_every_rank_raises_in_bounded_time_naming_the_culprit(
             assert f"rank(s) [{culprit}] stopped responding" in got["message"], got
     if fault == "raise":
         assert chaos[culprit][fault]["kind"] == "StepFailed"
+
+
+@pytest.mark.timeout(180)
+def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> None:
+    ahead = [r["prefetch-ahead"] for r in chaos]
+    assert all(r["kind"] == "ok" for r in ahead), ahead
+    samples = sorted(i for r in ahead for i in r["samples"])
+    assert samples == list(range(ahead[0]["num_samples"]))  # exactly once
+    at_boundary = [r["prefetch-at-boundary"] for r in chaos]
+    assert all(r["kind"] != "ok" for r in at_boundary), at_boundary  # the wait is real...
+    assert all(r["seconds"] <= 2 * T + SLACK for r in at_boundary), at_boundary  # ...and bounded
+    assert any(r["kind"] == "PlanAgreementError" for r in at_boundary), at_boundary
