@@ -244,34 +244,60 @@ class GreedyConstructor:
         longest first where they raise the step (the sum of wave levels, each counted from its
         target up) least; among slots that keep it, where they cost the fewest rank-seconds (a
         long group's ring makes a short sequence dearer), then to the least-loaded slot (LPT
-        within the levels). Slots of one size in one wave differ only by load, so each such class
+        within the levels). A slot's load is its sequences' marginal seconds plus the fixed cost
+        of the micro-batches its tokens need (``fixed_seconds`` per pass, so crossing the
+        capacity costs a pass). Slots of one size in one wave differ only by load, so each class
         keeps a heap and a placement looks at one candidate per class.
         """
         world = self.topology.world
+        cap = self.topology.capacity
+        model = self.model
+        lengths = self.lengths
+        fixed = [model.fixed_seconds(int(c)) for c in self.sizes]
+        # Marginal seconds (the tables' seconds without their token share of the pass constant)
+        # and memory per size, for the sequences placed here.
+        ids = np.asarray(sand + [i for gs in wave_groups for g in gs for i in g[1]], np.int64)
+        pad = np.zeros((len(self.sizes), len(lengths)))
+        for k, c in enumerate(self.sizes.tolist()):
+            pad[k, ids] = CostModel.padded(c, lengths[ids])
+        unit = self.sizes[:, None] * cap
+        marg = self.seconds - pad / unit * model.microbatch_overhead
+        step_fixed = fixed[0] - model.microbatch_overhead  # what the shares do not cover
         wave_groups = [*wave_groups, []]  # the overflow wave last, target 0
-        targets = [*targets, 0.0]
+        targets = [*(t + step_fixed for t in targets), 0.0]
         n_waves = len(wave_groups)
-        level = [max([g[2] for g in gs] + [targets[w]]) for w, gs in enumerate(wave_groups)]
         slot_size: list[int] = []
         slot_items: list[list[int]] = []
+        slot_marg: list[float] = []
+        slot_tokens: list[float] = []
         classes: dict[tuple[int, int], list[tuple[float, int]]] = {}
+        level = list(targets)
         for w, gs in enumerate(wave_groups):
             free = world - sum(g[0] for g in gs)
-            for size, ids, load in [*gs, *((1, [], 0.0) for _ in range(free))]:
+            for size, members, _ in [*gs, *((1, [], 0.0) for _ in range(free))]:
+                row = self.costs.index(size)
                 j = len(slot_size)
                 slot_size.append(size)
-                slot_items.append(list(ids))
-                classes.setdefault((w, self.costs.index(size)), []).append((load, j))
+                slot_items.append(list(members))
+                slot_marg.append(float(marg[row, members].sum()))
+                slot_tokens.append(float(pad[row, members].sum()))
+                load = 0.0
+                if members:
+                    load = slot_marg[j] + fixed[row] * max(1, -(-slot_tokens[j] // unit[row, 0]))
+                level[w] = max(level[w], load)
+                classes.setdefault((w, row), []).append((load, j))
         for heap in classes.values():
             heapq.heapify(heap)
         keys = sorted(classes)
-        t = self.seconds
         width = len(self.sizes)
-        for i in sorted(sand, key=lambda i: (-t[0, i], i)):
+        for i in sorted(sand, key=lambda i: (-self.seconds[0, i], i)):
             best: tuple[float, float, float, int] | None = None
             for w, row in keys:
-                new = classes[(w, row)][0][0] + t[row, i]
-                key = (max(new - level[w], 0.0), t[row, i] * self.sizes[row], new, w * width + row)
+                j = classes[(w, row)][0][1]
+                passes = max(1, -(-(slot_tokens[j] + pad[row, i]) // unit[row, 0]))
+                new = slot_marg[j] + marg[row, i] + fixed[row] * passes
+                spent = self.seconds[row, i] * self.sizes[row]
+                key = (max(new - level[w], 0.0), spent, new, w * width + row)
                 if best is None or key < best:
                     best = key
             assert best is not None
@@ -279,6 +305,8 @@ class GreedyConstructor:
             _, j = heapq.heappop(classes[(w, row)])
             heapq.heappush(classes[(w, row)], (best[2], j))
             slot_items[j].append(i)
+            slot_marg[j] += marg[row, i]
+            slot_tokens[j] += pad[row, i]
             level[w] = max(level[w], best[2])
         specs: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_waves)]
         j = 0
@@ -308,7 +336,9 @@ class GreedyConstructor:
         """
         if self.sizes[0] != 1:
             return
-        search = StructureSearch(self.costs, self.model.wave_overhead)
+        search = StructureSearch(
+            self.costs, self.model.wave_overhead, self.model.fixed_seconds(1)
+        )
         rank_seconds = self.seconds * self.sizes[:, None]
         # The stretch rule first: single moves cannot lower a floor that several equally long
         # sequences share (truncated documents), a start that already spreads them can.

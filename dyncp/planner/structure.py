@@ -51,16 +51,25 @@ class Structure:
 class StructureSearch:
     """Fluid-priced search over structures of one batch (module docstring)."""
 
-    def __init__(self, costs: SequenceCosts, wave_overhead: float) -> None:
+    def __init__(
+        self,
+        costs: SequenceCosts,
+        wave_overhead: float,
+        pass_seconds: float = 0.0,
+        long_share: float = LONG_SHARE,
+    ) -> None:
         self.costs = costs
         self.world = costs.topology.world
         self.wave_overhead = wave_overhead
+        # A new wave also costs every rank one more micro-batch's fixed cost (the tables charge
+        # short sequences only their token share of it).
+        self.pass_seconds = pass_seconds
         sizes = costs.sizes
         self.sizes = sizes
         n = len(costs.lengths)
         # Long: needs a ring, or alone at CP 1 takes a good share of the ideal step (too coarse
         # to be poured as fluid work).
-        coarse = costs.alone[0] > LONG_SHARE * costs.ideal_seconds() if sizes[0] == 1 else False
+        coarse = costs.alone[0] > long_share * costs.ideal_seconds() if sizes[0] == 1 else False
         self.long = np.flatnonzero((costs.min_cp > 1) | coarse)
         short = np.ones(n, dtype=bool)
         short[self.long] = False
@@ -106,13 +115,14 @@ class StructureSearch:
         if rest > 0:
             best = int(np.argmax(slope))
             raise_cost = rest / slope[best] if slope[best] > 0 else float("inf")
-            new_wave = self.wave_overhead + rest / world
+            new_wave = self.wave_overhead + self.pass_seconds + rest / world
             if raise_cost <= new_wave:
                 level[best] += raise_cost
             else:
                 extra = True
                 level.append(rest / world)
-        return sum(level) + len(level) * self.wave_overhead, level, extra
+        total = sum(level) + len(level) * self.wave_overhead + extra * self.pass_seconds
+        return total, level, extra
 
     # ------------------------------------------------------------------------------ search
     def start(self, rows: np.ndarray) -> Structure:
