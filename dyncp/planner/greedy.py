@@ -63,6 +63,10 @@ LEVEL_FACTORS = (
     1.7,
     2.0,
 )
+# Floors tried as structure-search starts, as multiples of the ideal step.
+FLOOR_FACTORS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# How many of the structure search's best structures are realised as candidates.
+STRUCTURES_REALISED = 3
 # Share of the time to the deadline spent pricing candidates; the local search gets the rest.
 CANDIDATE_SHARE = 0.6
 # How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
@@ -330,8 +334,13 @@ class GreedyConstructor:
         return self.fill(wave_groups, search.short.tolist(), list(levels))
 
     def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
-        """Plans of the best structures found from a few starting size choices.
+        """Plans of the best structures found from several starting size choices.
 
+        Starts: the stretch rules, every long sequence at its cheapest and at its fastest size,
+        and floors F (multiples of the ideal step): each long sequence at its cheapest size whose
+        time alone is at most F (a plateau of equally long sequences is lowered at once, which
+        single moves cannot do). Each start is improved by single moves under the fluid price;
+        the ``STRUCTURES_REALISED`` cheapest distinct results are realised, cheapest first.
         None when single ranks are not an allowed group size (nothing to pour short work into).
         """
         if self.sizes[0] != 1:
@@ -340,20 +349,25 @@ class GreedyConstructor:
             self.costs, self.model.wave_overhead, self.model.fixed_seconds(1)
         )
         rank_seconds = self.seconds * self.sizes[:, None]
-        # The stretch rule first: single moves cannot lower a floor that several equally long
-        # sequences share (truncated documents), a start that already spreads them can.
         starts = [
             self.choose_sizes(1.0, 0),
             np.argmin(rank_seconds, axis=0),
             self.choose_sizes(0.5, 0),
             np.argmin(self.alone, axis=0),
         ]
-        seen: set[Structure] = set()
+        ideal = self.ideal_seconds()
+        for f in FLOOR_FACTORS:
+            fits = self.alone <= f * ideal
+            cost = np.where(fits, rank_seconds, np.inf)
+            rows = np.where(fits.any(axis=0), cost.argmin(axis=0), self.alone.argmin(axis=0))
+            starts.append(rows)
+        found: dict[Structure, float] = {}
         for rows in starts:
+            if deadline is not None and time.perf_counter() >= deadline and found:
+                break
             s = search.improve(search.start(rows), deadline)
-            if s in seen:
-                continue
-            seen.add(s)
+            found.setdefault(s, search.levels(s)[0])
+        for s in sorted(found, key=lambda s: found[s])[:STRUCTURES_REALISED]:
             yield self.realise(s, search)
 
     def build_level(self, level: float) -> StepPlan:
