@@ -68,7 +68,7 @@ FLOOR_FACTORS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # How many of the structure search's best structures are realised as candidates.
 STRUCTURES_REALISED = 3
 # Share of the time to the deadline spent pricing candidates; the local search gets the rest.
-CANDIDATE_SHARE = 0.6
+CANDIDATE_SHARE = 0.85
 # How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
 EARLY_LEVELS = 5
 
