@@ -11,9 +11,10 @@ is T seconds (so a hang costs seconds, not minutes). Properties asserted:
   rank whose training waits for this one, and every rank fails within 2 T; with
   ``agree_ahead=5`` training runs through and every sample is trained exactly once.
 - sampler over a plan service: values written into the Store by someone else (a forged
-  unsigned plan, non-object JSON, 1e999, deep nesting, garbage cursors, an overwrite after rank
-  0 read the key) end in a consistent fallback on every rank with exactly-once intact, or in a
-  PlanMismatchError on every rank in that very step, naming the ranks and both digests.
+  unsigned plan, non-object JSON, 1e999, deep nesting, garbage cursors, an overwrite or a
+  deletion after rank 0 read the key) end in a consistent fallback on every rank with
+  exactly-once intact, or in a PlanMismatchError on every rank in that very step, naming the
+  ranks and both digests.
 """
 
 from __future__ import annotations
@@ -184,30 +185,39 @@ def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -
     return out
 
 
-def _overwrite_after_rank0(rank: int, port: int) -> dict:
-    """Rank 0 reads step 2's plan; then a hostile write replaces it before the others read.
+def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
+    """Rank 0 reads step 2's plan; then a hostile client overwrites (a plain ``set``) or
+    deletes the key before the others read it.
 
     The service plans with the static policy, so its plan differs from the greedy fallback.
     """
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
-    key = step_key("overwrite", 0, 2)
+    key = step_key(action, 0, 2)
 
     def on_step(plan, info) -> None:
-        if rank != 0 and info.step == 1:  # the others read step 2 only after the overwrite
-            store.wait(["overwrite/done"], datetime.timedelta(seconds=30))
+        if rank != 0 and info.step == 1:  # the others read step 2 only after the tampering
+            store.wait([f"{action}/done"], datetime.timedelta(seconds=30))
 
     def attack_after(fetch):
-        def fetch_then_overwrite(epoch: int, step: int):
+        def fetch_then_tamper(epoch: int, step: int):
             fetched = fetch(epoch, step)
             if step == 2:
-                store.set(key, b"[]")  # the attacker's plain set, after rank 0 read the key
-                store.set("overwrite/done", "1")
+                if action == "overwrite":
+                    store.set(key, b"[]")
+                else:
+                    store.delete_key(key)
+                store.set(f"{action}/done", "1")
             return fetched
 
-        return fetch_then_overwrite
+        return fetch_then_tamper
 
     return _sampler_run(
-        rank, port, "overwrite", secret=SECRET, on_step=on_step, wrap_fetch=attack_after,
+        rank,
+        port,
+        action,
+        secret=SECRET,
+        on_step=on_step,
+        wrap_fetch=attack_after,
         planner=make_planner(policy="static", max_length=WORLD * CAPACITY),
     )
 
@@ -290,7 +300,8 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
 
     scenario("forged", _sampler_run, rank, port, "forged", secret=SECRET)
     scenario("garbage", _sampler_run, rank, port, "garbage")
-    scenario("overwrite", _overwrite_after_rank0, rank, port)
+    scenario("overwrite", _tamper_after_rank0, rank, port, "overwrite")
+    scenario("delete", _tamper_after_rank0, rank, port, "delete")
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     for fault in EXECUTE_FAULTS:
@@ -369,8 +380,9 @@ def test_forged_and_garbage_plans_fall_back_consistently(chaos: list[dict]) -> N
 
 
 @pytest.mark.timeout(180)
-def test_overwrite_after_rank0_read_raises_in_that_step(chaos: list[dict]) -> None:
-    runs = [r["overwrite"] for r in chaos]
+@pytest.mark.parametrize("action", ["overwrite", "delete"])
+def test_tampering_after_rank0_read_raises_in_that_step(chaos: list[dict], action: str) -> None:
+    runs = [r[action] for r in chaos]
     for r in runs:
         assert r["ranks"] == [0], r
         assert "epoch 0 step 2" in r["error"] and " vs " in r["error"], r["error"]

@@ -307,7 +307,7 @@ def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
 
 #: After a collective on the control group failed, survivors are waited for until this many
 #: timeouts after this rank entered it: a survivor blocked in the same collective is released
-#: by the timeout (1) and then reports; the rest is margin. Below 2, the bound every rank keeps.
-SURVIVOR_WAIT = 1.25
+#: by the timeout (1) and then reports; the rest is margin for a loaded machine. Below 2: the bound.
+SURVIVOR_WAIT = 1.5
 #: How often a rank waiting at a wave's exchange looks in the Store for a reported failure.
 STORE_LOOK_SECONDS = 0.05
