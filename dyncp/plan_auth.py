@@ -98,7 +98,7 @@ class PlanSigner:
                 f"reaches the Store's port can replace them. Set {SECRET_ENV} (or "
                 f"{SECRET_FILE_ENV}) to the same secret on every process of the job.",
                 UnauthenticatedPlansWarning,
-                stacklevel=2,
+                stacklevel=1,  # one location: Python's default filter shows it once per process
             )
         return cls(secret)
 

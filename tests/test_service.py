@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -501,11 +502,20 @@ def test_signed_channel_rejects_unsigned_and_foreign_records(master) -> None:
     assert plan_digest(got[0].plan) == plan_digest(plan_batch(fallback, ids, lengths))
 
 
-def test_without_a_secret_the_channel_warns_once(master, monkeypatch) -> None:
+def test_without_a_secret_the_channel_warns_once(monkeypatch) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     with pytest.warns(UnauthenticatedPlansWarning, match="UNAUTHENTICATED"):
-        PlanSigner.from_env()
+        assert not PlanSigner.from_env().authenticated
+    # In a process (default warning filters): once, however many readers and services start.
+    code = "from dyncp.plan_auth import PlanSigner\nfor _ in range(3): PlanSigner.from_env()"
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    env.pop("PYTHONWARNINGS", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stderr.count("UNAUTHENTICATED") == 1, run.stderr
+    env[SECRET_ENV] = SECRET.decode()
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and "UNAUTHENTICATED" not in run.stderr, run.stderr
 
 
 def test_secret_from_a_file_and_too_short_secrets(tmp_path: Path, monkeypatch) -> None:
