@@ -22,6 +22,22 @@ from dyncp.testing.distributed import run_gloo
 CFG = TinyConfig(vocab=64, dim=32, heads=2, kv_heads=1, layers=1, ffn=64)
 
 
+def train_step(model: TinyDecoder, lengths, seed: int):
+    """A step_fn: forward + backward of random tokens of ``lengths`` (seeded: same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, CFG.vocab, (int(s),), generator=gen) for s in lengths]
+
+    def step_fn(ctx) -> None:
+        packed = torch.cat([tokens[i] for i in ctx.seq_ids])
+        labels = next_token_labels(packed, ctx.seqlens)
+        loss = model.loss_sum(
+            ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
+        )
+        (loss * ctx.loss_scale).backward()
+
+    return step_fn
+
+
 def _worker(rank: int, world: int) -> dict:
     pool = GroupPool()
     profile = load_profile("cpu-gloo")
@@ -40,18 +56,7 @@ def _worker(rank: int, world: int) -> dict:
     for step in range(6):
         lengths = [int(x) for x in rng.integers(8, 300, size=10)]
         plan = planner.plan(lengths)
-        gen = torch.Generator().manual_seed(step)
-        tokens = [torch.randint(0, CFG.vocab, (s,), generator=gen) for s in lengths]
-
-        def step_fn(ctx, tokens=tokens) -> None:
-            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-            labels = next_token_labels(packed, ctx.seqlens)
-            loss = model.loss_sum(
-                ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
-            )
-            (loss * ctx.loss_scale).backward()
-
-        report = execute(plan, pool, step_fn)
+        report = execute(plan, pool, train_step(model, lengths, seed=step))
         if step == 0:  # the gathered measurements describe exactly the plan's micro-batches
             reports = gather_reports(report, pool)
             if reports is not None:
@@ -135,18 +140,7 @@ def _store_worker(rank: int, world: int) -> dict:
     for step in range(8):
         fetched = client.fetch(0, step)
         plan = fetched.plan
-        gen = torch.Generator().manual_seed(step)
-        tokens = [torch.randint(0, CFG.vocab, (s,), generator=gen) for s in plan.lengths]
-
-        def step_fn(ctx, tokens=tokens) -> None:
-            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-            labels = next_token_labels(packed, ctx.seqlens)
-            loss = model.loss_sum(
-                ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
-            )
-            (loss * ctx.loss_scale).backward()
-
-        report = execute(plan, pool, step_fn)
+        report = execute(plan, pool, train_step(model, plan.lengths, seed=step))
         pusher.step(step, plan, report)
         if rank == 0 and step == 3:  # let the service drain and refit before planning on
             end = time.monotonic() + 30
