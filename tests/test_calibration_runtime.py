@@ -23,7 +23,7 @@ CFG = TinyConfig(vocab=64, dim=32, heads=2, kv_heads=1, layers=1, ffn=64)
 
 
 def train_step(model: TinyDecoder, lengths, seed: int):
-    """A step_fn: forward + backward of random tokens of ``lengths`` (seeded: same on every rank)."""
+    """A step_fn: forward + backward of seeded random tokens of ``lengths`` (same on all ranks)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, CFG.vocab, (int(s),), generator=gen) for s in lengths]
 
