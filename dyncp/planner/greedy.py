@@ -1,26 +1,23 @@
-"""dyncp's greedy constructor: a good plan in milliseconds, driven by the real cost model.
+"""dyncp's constructor: a good plan in milliseconds, driven by the real cost model; anytime.
 
 The structure of a good plan matters more than where each short sequence goes
-(notes/planner-findings.md), so the constructor decides the structure first:
+(notes/planner-findings.md), so every candidate decides the structure first. Candidates, in
+order of promise (``candidates``), each priced with the exact cost model:
 
-1. CP size per sequence: the allowed size >= its minimum with the fewest rank-seconds under the
-   cost model (usually the minimum: rings cost communication and short blocks), raised while the
-   sequence alone would outlast ``stretch`` x the ideal step (total work / W) and a larger group
-   is faster.
-2. Long sequences (CP > 1) become groups: per CP size, first-fit-decreasing by predicted seconds
-   into groups of at most a level M (a group runs its sequences one after another); groups are
-   laid into waves of W ranks, largest first, so the blocks stay aligned.
-3. Short sequences (CP 1) are "sand", poured longest first into the spare time under each long
-   wave's level -- on its free ranks at CP 1, and in its long groups at their CP size (dearer, but
-   those ranks would idle) -- always where the most room is left; what does not fit goes to a
-   final wave of W single ranks, balanced by LPT.
-4. Every rank's or group's sequences are packed first-fit-decreasing into micro-batches within
-   capacity.
+1. the structure search's best structures (``dyncp.planner.structure``: waves and CP sizes of the
+   long sequences priced with a fluid model), realised by ``fill``: long sequences in their
+   groups, short ones poured up to the fluid levels, slots charged the passes their tokens need;
+2. stretch-rule structures (``build``): CP size per sequence = the cheapest in rank-seconds,
+   raised while the sequence alone would outlast ``stretch`` x the ideal step and a larger group
+   is faster (or doubled ``boost`` times); long sequences first-fit into groups up to a level,
+   groups laid into waves largest first (aligned blocks); short sequences poured into the spare
+   time under each wave's level, the rest into a final wave balanced by LPT;
+3. level-filled structures (``build_level``): each sequence at the smallest size whose time fits
+   a common level, long ones first-fit into groups of their size in the earliest wave with room.
 
-A few structures are built (``STRUCTURES``: stretch 1, 1/2, 1/4, and CP doubled once or twice for
-all long sequences; M = the longest sequence's time, or the smallest M that fits all long groups
-in one wave) and the fastest under the exact cost model is returned. Deterministic: no
-randomness, ties broken by index.
+Every group's sequences are packed first-fit-decreasing into micro-batches within capacity.
+``best`` prices candidates until the deadline (or all of them without one: deterministic, ties
+broken by index), then runs the local search on the fastest.
 """
 
 from __future__ import annotations
@@ -65,6 +62,8 @@ LEVEL_FACTORS = (
 )
 # Floors tried as structure-search starts, as multiples of the ideal step.
 FLOOR_FACTORS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Share of the time to the deadline the first structure-search start may take.
+FIRST_SHARE = 0.3
 # How many of the structure search's best structures are realised as candidates.
 STRUCTURES_REALISED = 3
 # Share of the time to the deadline spent pricing candidates; the local search gets the rest.
@@ -240,6 +239,7 @@ class GreedyConstructor:
         wave_groups: list[list[tuple[int, list[int], float]]],
         sand: list[int],
         targets: list[float],
+        passes: bool = True,
     ) -> StepPlan:
         """Pour the CP-1 sequences into the waves up to ``targets`` and realise the plan.
 
@@ -249,9 +249,12 @@ class GreedyConstructor:
         target up) least; among slots that keep it, where they cost the fewest rank-seconds (a
         long group's ring makes a short sequence dearer), then to the least-loaded slot (LPT
         within the levels). A slot's load is its sequences' marginal seconds plus the fixed cost
-        of the micro-batches its tokens need (``fixed_seconds`` per pass, so crossing the
-        capacity costs a pass). Slots of one size in one wave differ only by load, so each class
-        keeps a heap and a placement looks at one candidate per class.
+        (``fixed_seconds``) of the passes its tokens need: at least one, fractional beyond it (a
+        step at each pass would make the least-loaded slot of a class a poor proxy for the
+        class). Slots of one size in one wave then differ only by load, so each class keeps a
+        heap and a placement looks at one candidate per class. ``passes=False`` charges the
+        tables' token share of the pass constant instead (the fluid model's own accounting):
+        measured better on thousands of ranks, slightly worse on 64.
         """
         world = self.topology.world
         cap = self.topology.capacity
@@ -265,8 +268,11 @@ class GreedyConstructor:
         for k, c in enumerate(self.sizes.tolist()):
             pad[k, ids] = CostModel.padded(c, lengths[ids])
         unit = self.sizes[:, None] * cap
-        marg = self.seconds - pad / unit * model.microbatch_overhead
-        step_fixed = fixed[0] - model.microbatch_overhead  # what the shares do not cover
+        if passes:
+            marg = self.seconds - pad / unit * model.microbatch_overhead
+            step_fixed = fixed[0] - model.microbatch_overhead  # what the shares do not cover
+        else:
+            marg, step_fixed, fixed = self.seconds, 0.0, [0.0] * len(fixed)
         wave_groups = [*wave_groups, []]  # the overflow wave last, target 0
         targets = [*(t + step_fixed for t in targets), 0.0]
         n_waves = len(wave_groups)
@@ -287,7 +293,7 @@ class GreedyConstructor:
                 slot_tokens.append(float(pad[row, members].sum()))
                 load = 0.0
                 if members:
-                    load = slot_marg[j] + fixed[row] * max(1, -(-slot_tokens[j] // unit[row, 0]))
+                    load = slot_marg[j] + fixed[row] * max(1.0, slot_tokens[j] / unit[row, 0])
                 level[w] = max(level[w], load)
                 classes.setdefault((w, row), []).append((load, j))
         for heap in classes.values():
@@ -298,8 +304,8 @@ class GreedyConstructor:
             best: tuple[float, float, float, int] | None = None
             for w, row in keys:
                 j = classes[(w, row)][0][1]
-                passes = max(1, -(-(slot_tokens[j] + pad[row, i]) // unit[row, 0]))
-                new = slot_marg[j] + marg[row, i] + fixed[row] * passes
+                n_pass = max(1.0, (slot_tokens[j] + pad[row, i]) / unit[row, 0])
+                new = slot_marg[j] + marg[row, i] + fixed[row] * n_pass
                 spent = self.seconds[row, i] * self.sizes[row]
                 key = (max(new - level[w], 0.0), spent, new, w * width + row)
                 if best is None or key < best:
@@ -321,7 +327,9 @@ class GreedyConstructor:
                 j += 1
         return self.assemble(specs)
 
-    def realise(self, structure: Structure, search: StructureSearch) -> StepPlan:
+    def realise(
+        self, structure: Structure, search: StructureSearch, passes: bool = True
+    ) -> StepPlan:
         """A plan of ``structure``: each long sequence its own group, short ones poured in."""
         _, levels, extra = search.levels(structure)
         n_long = len(levels) - int(extra)
@@ -331,7 +339,7 @@ class GreedyConstructor:
         wave_groups = [sorted(gs, key=lambda g: -g[0]) for gs in wave_groups]
         if extra:
             wave_groups.append([])
-        return self.fill(wave_groups, search.short.tolist(), list(levels))
+        return self.fill(wave_groups, search.short.tolist(), list(levels), passes)
 
     def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
         """Plans of the best structures found from several starting size choices.
@@ -339,8 +347,9 @@ class GreedyConstructor:
         Starts: the stretch rules, every long sequence at its cheapest and at its fastest size,
         and floors F (multiples of the ideal step): each long sequence at its cheapest size whose
         time alone is at most F (a plateau of equally long sequences is lowered at once, which
-        single moves cannot do). Each start is improved by single moves under the fluid price;
-        the ``STRUCTURES_REALISED`` cheapest distinct results are realised, cheapest first.
+        single moves cannot do). Each start is improved by single moves under the fluid price.
+        The first start's result is realised at once (``FIRST_SHARE`` of the time to the
+        deadline at most); then the cheapest other results, up to ``STRUCTURES_REALISED`` in all.
         None when single ranks are not an allowed group size (nothing to pour short work into).
         """
         if self.sizes[0] != 1:
@@ -361,13 +370,23 @@ class GreedyConstructor:
             cost = np.where(fits, rank_seconds, np.inf)
             rows = np.where(fits.any(axis=0), cost.argmin(axis=0), self.alone.argmin(axis=0))
             starts.append(rows)
-        found: dict[Structure, float] = {}
-        for rows in starts:
-            if deadline is not None and time.perf_counter() >= deadline and found:
+        # The first start is improved for a share of the time and realised at once, so an early
+        # deadline still leaves a sound plan; the other starts then compete on fluid price.
+        first_stop = None
+        if deadline is not None:
+            now = time.perf_counter()
+            first_stop = now + FIRST_SHARE * max(deadline - now, 0.0)
+        first = search.improve(search.start(starts[0]), first_stop)
+        yield self.realise(first, search, passes=False)
+        yield self.realise(first, search)
+        found: dict[Structure, float] = {first: search.levels(first)[0]}
+        for rows in starts[1:]:
+            if deadline is not None and time.perf_counter() >= deadline:
                 break
             s = search.improve(search.start(rows), deadline)
             found.setdefault(s, search.levels(s)[0])
-        for s in sorted(found, key=lambda s: found[s])[:STRUCTURES_REALISED]:
+        ranked = [s for s in sorted(found, key=lambda s: found[s]) if s != first]
+        for s in ranked[: STRUCTURES_REALISED - 1]:
             yield self.realise(s, search)
 
     def build_level(self, level: float) -> StepPlan:

@@ -16,10 +16,11 @@ search works on structures only and prices each with a fluid model in microsecon
   capacity fastest (its slope is constant above the floor), or opens a wave of W single ranks,
   whichever costs less. Predicted step = sum of levels + wave overheads.
 
-The search starts from a few size choices (every long sequence at its cheapest size, at its
-fastest size, and at the constructor's stretch rules), lays them into waves first-fit by size,
-then improves by single moves -- a sequence to the next size up or down, to another wave, or to
-a new wave -- while the fluid cost falls. ``realise`` turns the best structures into plans: long
+The search starts from several size choices (the constructor's: stretch rules, every long
+sequence at its cheapest or its fastest size, or at its cheapest size under a floor), lays them
+into waves first-fit by size, then improves by single moves -- a sequence to the next size up or
+down, to another wave, or to a new wave -- while the fluid cost falls. A new wave also costs
+every rank one more pass (``pass_seconds``). ``realise`` turns the best structures into plans: long
 sequences in their groups, short ones poured up to the fluid levels (``fill``), then local search.
 Deterministic: no randomness, ties by index.
 """

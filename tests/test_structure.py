@@ -1,0 +1,130 @@
+"""Structure search (fluid pricing), pouring, local search and the anytime constructor.
+
+The fluid price is checked by hand on a tiny case; every realised structure and every local-search
+result must be a valid plan with each sequence exactly once; the local search must never raise the
+additive step time it optimises; the anytime constructor must return a valid plan even when its
+deadline has already passed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from planner_helpers import assert_exactly_once, topologies
+
+from dyncp.cost_model.model import CostModel
+from dyncp.plan import Topology
+from dyncp.planner.assignment import Assignment
+from dyncp.planner.costs import SequenceCosts
+from dyncp.planner.greedy import GreedyConstructor
+from dyncp.planner.local_search import improve
+from dyncp.planner.structure import Structure, StructureSearch
+
+
+@functools.cache
+def model_for(ranks_per_node: int) -> CostModel:
+    return CostModel.load("h100-reference", ranks_per_node)
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_size: int = 40) -> tuple[Topology, list[int]]:
+    topo = draw(topologies())
+    longest = topo.max_length()
+    length = st.one_of(st.integers(1, topo.capacity), st.integers(1, longest), st.just(longest))
+    return topo, draw(st.lists(length, min_size=1, max_size=max_size))
+
+
+def test_fluid_levels_by_hand() -> None:
+    """8 ranks; one long sequence on 4 of them: its time alone is the floor, the 4 free ranks hold
+    4 x floor of short work, its own group the idle time at its efficiency; the rest raises the
+    wave at slope 4 + 4 e, or opens a wave of 8 singles, whichever is cheaper."""
+    topo = Topology(8, 8, 256)
+    model = model_for(8)
+    lengths = np.asarray([1024] + [200] * 30)
+    costs = SequenceCosts(lengths, topo, model)
+    search = StructureSearch(costs, wave_overhead=0.001, pass_seconds=0.002)
+    assert search.long.tolist() == [0]  # 1024 tokens need 4 ranks at capacity 256
+    k4 = costs.index(4)
+    s = Structure((0,), (0,), (k4,))
+    total, levels, extra = search.levels(s)
+    floor = costs.alone[k4, 0]
+    e4 = search.eff[k4]
+    work = float(costs.seconds[0, 1:].sum())
+    rest = work - 4 * floor
+    raise_cost, new_wave = rest / (4 + 4 * e4), 0.001 + 0.002 + rest / 8
+    assert rest > 0
+    if raise_cost <= new_wave:
+        assert not extra and levels == pytest.approx([floor + raise_cost])
+        assert total == pytest.approx(floor + raise_cost + 0.001)
+    else:
+        assert extra and levels == pytest.approx([floor, rest / 8])
+        assert total == pytest.approx(floor + rest / 8 + 2 * 0.001 + 0.002)
+    # Efficiency: short work costs more rank-seconds on a ring, never less.
+    assert search.eff[0] == 1.0 and (search.eff[1:] <= 1.0 + 1e-12).all()
+
+
+def test_fluid_refuses_overfull_waves() -> None:
+    topo = Topology(8, 8, 256)
+    costs = SequenceCosts(np.asarray([2048, 2048]), topo, model_for(8))
+    search = StructureSearch(costs, wave_overhead=0.0)
+    k8 = costs.index(8)
+    assert search.levels(Structure((0, 1), (0, 0), (k8, k8)))[0] == float("inf")
+    assert np.isfinite(search.levels(Structure((0, 1), (0, 1), (k8, k8)))[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=batches())
+def test_search_never_worsens_and_realises_valid_plans(case: tuple[Topology, list[int]]) -> None:
+    topo, lengths = case
+    g = GreedyConstructor(np.asarray(lengths), topo, model_for(topo.ranks_per_node))
+    if g.sizes[0] != 1:
+        assert list(g.structured()) == []
+        return
+    search = StructureSearch(g.costs, 0.001, 0.002)
+    start = search.start(g.choose_sizes(1.0, 0))
+    better = search.improve(start, deadline=None)
+    assert sorted(better.ids) == sorted(start.ids) == search.long.tolist()
+    assert search.levels(better)[0] <= search.levels(start)[0]
+    plans = list(g.structured())
+    assert plans
+    for plan in plans:
+        plan.validate()
+        assert_exactly_once(plan, len(lengths))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=batches())
+def test_local_search_lowers_the_additive_step(case: tuple[Topology, list[int]]) -> None:
+    topo, lengths = case
+    g = GreedyConstructor(np.asarray(lengths), topo, model_for(topo.ranks_per_node))
+    plan = g.build_level(g.ideal_seconds())
+    a = Assignment.from_plan(plan, g.costs)
+    moved, applied = improve(a)
+    assert moved.objective() <= a.objective() + 1e-9
+    if applied:
+        assert moved.objective() < a.objective()
+    ids = sorted(i for items in moved.items for i in items)
+    assert ids == list(range(len(lengths)))
+    for j, items in enumerate(moved.items):  # every sequence in a slot that can hold it
+        assert np.isfinite(g.costs.seconds[moved.row[j], items]).all()
+    out = moved.to_plan(plan)
+    out.validate()
+
+
+def test_anytime_constructor_past_its_deadline() -> None:
+    topo = Topology(16, 8, 256)
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(5.5, 1.2, 200).astype(np.int64) + 1, topo.max_length())
+    g = GreedyConstructor(lengths, topo, model_for(8))
+    plan = g.best(deadline=time.perf_counter() - 1.0)
+    plan.validate()
+    assert_exactly_once(plan, len(lengths))
+    assert g.tried == 1
+    full = GreedyConstructor(lengths, topo, model_for(8))
+    full.best()
+    assert full.tried > 1
