@@ -18,8 +18,8 @@ not once per rank. Names follow Prometheus conventions (base units; ``_seconds``
 ``_total``); labels come from bounded sets only: ``policy`` (the constructor's ``policies``),
 ``source`` (predicted / measured), ``cp_size`` (powers of two up to the world size), ``status``
 (solver outcomes), ``reason`` (fallback reasons), and for online calibration ``stage`` (before /
-after a refit), ``outcome`` (adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label is opt-in
-(``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
+after a refit), ``outcome`` (adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label
+is opt-in (``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
 
 Multi-process mode: when several processes on a host write metrics (trainer ranks, DataLoader
 workers running the sampler, the plan service), set ``PROMETHEUS_MULTIPROC_DIR`` to an empty

@@ -45,7 +45,10 @@ import numpy as np
 import torch
 
 from dyncp.agreement import PendingAgreement
+from dyncp.calibration import OnlineCalibrator
+from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan, padded_length
+from dyncp.plan_auth import PlanSigner
 from dyncp.planner.planner import Planner
 from dyncp.ring_attention.sharding import zigzag_positions, zigzag_shard
 from dyncp.service import (
@@ -601,6 +604,11 @@ class DynamicCPSampler:
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
+        calibrate: online calibration of the cost model (needs ``store``): readers' fallbacks
+            use the newest model version published in the Store; the rank that serves refits
+            from the measurements trainers push (``dyncp.runtime.measure.StoreMeasurements``)
+            with this calibrator (True: a default ``OnlineCalibrator`` of the planner's profile).
+            ``sampler.calibration`` is the service side (set its ``metrics``/``save_path``).
 
     Raises:
         ValueError: inconsistent options (each names the option and what is allowed).
@@ -630,8 +638,14 @@ class DynamicCPSampler:
         group: ProcessGroup | None = None,
         agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
+        calibrate: bool | OnlineCalibrator = False,
     ) -> None:
         topo = planner.topology
+        if calibrate is not False and store is None:
+            raise ValueError(
+                "calibrate= needs store= (model versions reach the ranks through the plan "
+                "service); without a store use dyncp.runtime.measure.CollectiveCalibration"
+            )
         if world_size != topo.world or capacity != topo.capacity:
             raise ValueError(
                 f"world_size={world_size}, capacity={capacity} differ from the planner's "
@@ -671,10 +685,12 @@ class DynamicCPSampler:
                 topo.max_length(),
                 "truncated" if overlong == "truncate" else "skipped",
             )
+        self.calibration: ServiceCalibration | None = None
         self._source: _LocalPlans | _StorePlans
         if store is None:
             self._source = _LocalPlans(self.schedule, planner, lookahead)
         else:
+            signer = PlanSigner.from_env(secret) if calibrate is not False else None
             client = PlanClient(
                 store,
                 source=self.schedule,
@@ -684,9 +700,21 @@ class DynamicCPSampler:
                 deadline=deadline,
                 late_deadline=late_deadline,
                 secret=secret,
+                models=None if calibrate is False else ModelChannel(store, prefix, signer=signer),
             )
             service = None
             if rank == 0 if serve is None else serve:
+                if calibrate is not False:
+                    calibrator = (
+                        calibrate
+                        if isinstance(calibrate, OnlineCalibrator)
+                        else OnlineCalibrator(
+                            planner.model.profile, ranks_per_node=topo.ranks_per_node
+                        )
+                    )
+                    self.calibration = ServiceCalibration(
+                        store, prefix, calibrator, signer=signer
+                    )
                 service = PlanService(
                     store,
                     source=self.schedule,
@@ -694,6 +722,7 @@ class DynamicCPSampler:
                     prefix=prefix,
                     lookahead=lookahead,
                     secret=secret,
+                    calibration=self.calibration,
                 )
             self._source = _StorePlans(client, service)
         self.group, self.agree_ahead = group, agree_ahead

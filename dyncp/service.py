@@ -42,12 +42,15 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 
 from dyncp.agreement import PlanMismatchError
+from dyncp.calibration import ModelVersion, VersionedPlanner
 from dyncp.plan import PlanError, StepPlan, Topology, plan_digest
 from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
 from dyncp.planner.planner import Planner
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+    from dyncp.model_channel import ModelChannel, ServiceCalibration
 
 __all__ = [
     "FALLBACK",
@@ -198,9 +201,11 @@ class PlanService:
         lookahead: int = 2,
         poll_seconds: float = 0.002,
         secret: bytes | str | None = None,
+        calibration: ServiceCalibration | None = None,
     ) -> None:
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+        self.calibration = calibration
         self.prefix = _check_prefix(prefix)
         self.store = store
         self.source = source
@@ -220,6 +225,8 @@ class PlanService:
         if self._thread is not None:
             raise RuntimeError("PlanService already started")
         self.store = _clone(self.store)
+        if self.calibration is not None:
+            self.calibration.bind(self.store)
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name="dyncp-plan-service", daemon=True)
         self._thread.start()
@@ -241,6 +248,8 @@ class PlanService:
         """The service loop (blocks until ``stop()``, or until the Store fails: see ``failure``)."""
         try:
             while not self._stop.is_set():
+                if self.calibration is not None:  # measurements in, maybe a new model version
+                    self.planner = self.calibration.poll(self.planner)
                 todo = self._next_target()
                 if todo is None:
                     self._stop.wait(self.poll_seconds)
@@ -378,6 +387,7 @@ class PlanClient:
         late_deadline: float = 0.05,
         keep_steps: int = 64,
         secret: bytes | str | None = None,
+        models: ModelChannel | None = None,
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
@@ -388,6 +398,8 @@ class PlanClient:
         self.source = source
         self.topology = planner.topology
         self.fallback = fallback_planner(planner)
+        self.models = models
+        self._fallbacks: dict[int, VersionedPlanner] = {}
         self.rank = rank
         self.deadline = deadline
         self.late_deadline = late_deadline
@@ -407,19 +419,50 @@ class PlanClient:
         else:
             value = self._poll(key, self.late_deadline if self._missed else self.deadline)
         if value is None:
-            value = self.store.compare_set(key, "", self.signer.seal(key, FALLBACK))
+            value = self.store.compare_set(key, "", self.signer.seal(key, self._fallback_body()))
         self._forget_old(key)
         try:
             body = self.signer.open(key, value)
             self._missed = is_fallback(body)
             if self._missed:
-                return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "late", False)
+                plan = plan_batch(self._fallback_for(body), ids, lengths)
+                return Fetched(plan, "fallback", "late", False)
             plan = StepPlan.from_json(body)
             check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
         except ValueError as exc:  # PlanError (decoding, signature) or another batch's plan
             log.warning("published plan of epoch %d step %d rejected: %s", epoch, step, exc)
             return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "rejected", ready)
         return Fetched(plan, "service", None, ready)
+
+    def _fallback_body(self) -> bytes:
+        """What this reader offers as the step's decision: ``FALLBACK``, naming the newest model
+        version published in the Store when the job calibrates (every reader can fetch it)."""
+        latest = self.models.latest() if self.models is not None else None
+        return FALLBACK if not latest else FALLBACK + b" v%d" % latest
+
+    def _fallback_for(self, body: bytes) -> Planner | VersionedPlanner:
+        """The deterministic planner a fallback decision names (same on every rank).
+
+        A version that cannot be fetched (deleted, or refused as malformed or unsigned) leaves
+        the starting model; if that made ranks differ, the per-step digest agreement says so.
+        """
+        suffix = body[len(FALLBACK) + 1 :]
+        if self.models is None:
+            return self.fallback
+        if not suffix.startswith(b"v") or not suffix[1:].isdigit():
+            return self._starting_fallback()
+        version = int(suffix[1:])
+        if version not in self._fallbacks:
+            found = self.models.get(version)
+            if found is None:
+                log.warning("fallback names model v%d, which this reader cannot fetch", version)
+                return self._starting_fallback()
+            self._fallbacks = {version: VersionedPlanner.rebuild(self.fallback, found)}
+        return self._fallbacks[version]
+
+    def _starting_fallback(self) -> VersionedPlanner:
+        """The fallback on the model every rank started with (version 0)."""
+        return VersionedPlanner(self.fallback, ModelVersion(0, self.fallback.model.profile))
 
     def _poll(self, key: str, seconds: float) -> bytes | None:
         """The key's value, polling ``check`` until it is set or ``seconds`` have passed."""
