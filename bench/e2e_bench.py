@@ -142,7 +142,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     result = {"rows": rows}
     if calibrator.last is not None:
         last = calibrator.last
+        first = calibrator.history[0][0]
         result["calibration"] = {
+            "first_error_before": first.error_before,
+            "first_error_after": first.error_after,
+            "first_measurements": first.measurements,
             "version": loop.current.version,
             "refits": calibrator.refits,
             "error_before": last.error_before,
@@ -173,9 +177,11 @@ def report(result: dict, args: argparse.Namespace, world: int) -> str:
     cal = result.get("calibration")
     if cal:
         out.append(
-            f"calibration: {cal['refits']} refits, model v{cal['version']}; last refit on "
-            f"{cal['measurements']} micro-batches ({cal['outliers']} outliers): mean micro-batch "
-            f"error {cal['error_before']:.1%} -> {cal['error_after']:.1%}"
+            f"calibration: {cal['refits']} refits, model v{cal['version']}; mean micro-batch "
+            f"error {cal['first_error_before']:.1%} -> {cal['first_error_after']:.1%} at the "
+            f"first refit ({cal['first_measurements']} micro-batches), "
+            f"{cal['error_before']:.1%} -> {cal['error_after']:.1%} at the last "
+            f"({cal['measurements']}, {cal['outliers']} outliers)"
         )
     for phase in ("before", "after"):
         out.append(f"\n{phase} calibration")

@@ -47,7 +47,9 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--global-batch-tokens", type=int, default=4096)
     p.add_argument(
-        "--profile", default=None, help="default: cpu-gloo on gloo (this model measured on CPU)"
+        "--profile",
+        default=None,
+        help="default on gloo: cpu-gloo (2 processes) or cpu-gloo-4proc (4), as measured",
     )
     p.add_argument("--backend", default="gloo")
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +61,8 @@ def main() -> None:
 
     dist.init_process_group(args.backend)
     if args.profile is None:
-        args.profile = "cpu-gloo" if args.backend == "gloo" else "h100-reference"
+        cpu = "cpu-gloo-4proc" if dist.get_world_size() == 4 else "cpu-gloo"
+        args.profile = cpu if args.backend == "gloo" else "h100-reference"
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -13,7 +13,7 @@ refitting its *coefficients*:
 ``mb``                     ``overheads.microbatch_seconds``
 ``latency_c``              one transfer's latency in a group of c ranks, per measured c
 ``inverse_bandwidth_c``    1 / its bandwidth (``communication.links``, by group size)
-``wave``                   ``overheads.wave_seconds`` (from wave timings, separately)
+``wave``                   ``overheads.wave_seconds`` (trimmed mean over the wave timings)
 =========================  ===============================================================
 
 The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
@@ -51,6 +51,7 @@ from datetime import date
 
 import numpy as np
 from scipy.optimize import least_squares
+from scipy.stats import trim_mean
 
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import AttentionTable, Profile
@@ -380,8 +381,11 @@ def fit_profile(
             overlap, (theta, keep, score) = not overlap, other
     wave = profile.overheads.wave_seconds
     if waves:
+        # A trimmed mean, not the median: costs the step pays once (the plan agreement, counted
+        # in its first wave) must spread over the waves as the model charges them, while the
+        # trimming drops stragglers.
         gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
-        wave = float(np.median(gaps))
+        wave = float(trim_mean(gaps, 0.1))
     new = _apply(profile, theta, wave, sizes, model, overlap)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k in zip(ms, keep) if k]
@@ -487,8 +491,8 @@ def _with_provenance(
     prov["source"] = f"{base.provenance.source}; calibrated by dyncp.cost_model.calibrate"
     prov["date"] = date.today().isoformat()
     prov["method"] = (
-        f"fit_profile: robust refit (Cauchy, then soft-L1 without outliers) of profile "
-        f"{base.name!r} to {n} measured micro-batches ({source})"
+        f"{base.provenance.method}; then fit_profile: robust refit (Cauchy, then soft-L1 "
+        f"without outliers) of profile {base.name!r} to {n} measured micro-batches ({source})"
     )
     prov["notes"] = list(base.provenance.notes) + [
         f"calibrated from {n} micro-batches ({mix}) and {n_waves} waves; {outliers} outliers "

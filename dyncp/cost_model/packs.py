@@ -3,7 +3,9 @@
 Shared by the profiler (its final calibration pass) and by validation, so that a profile is
 fitted and checked on the same kind of measurement: every rank runs a ring of the same size side
 by side (as in a wave), forward + backward of the profile's model through dyncp's ring attention;
-a pack's time is the median over repeats of the slowest rank's time (the first run is a warm-up).
+a pack's time is the median over repeats of the slowest rank's time (the first round is a
+warm-up). Repeats are taken in rounds over all packs, so a passing burst of other load on the
+machine spoils one repeat of many packs rather than every repeat of a few.
 Collective: every rank must call :func:`measure_packs` with the same arguments.
 """
 
@@ -69,7 +71,7 @@ def measure_packs(
     vocab = model.cfg.vocab
     device = device or torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    out: list[Measurement] = []
+    cases_by_size = []
     for cp in sizes:
         group = None if cp == 1 else groups[cp][rank // cp]
         for _ in range(cases):
@@ -81,18 +83,25 @@ def measure_packs(
             tok = zigzag_shard(tokens, seqlens=seqlens, cp=cp, rank=me).to(device)
             lab = zigzag_shard(labels, seqlens=seqlens, cp=cp, rank=me, pad_value=-100).to(device)
             pos = zigzag_positions(seqlens=seqlens, cp=cp, rank=me).to(device)
-            times = []
-            for r in range(repeats + 1):
-                if distributed:
-                    dist.barrier()
-                t0 = time.perf_counter()
-                model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
-                sync()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                if distributed:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if r:  # the first run is a warm-up
-                    times.append(float(t.item()))
+            cases_by_size.append((cp, seqlens, tok, lab, pos, layout))
+    # Round robin: every round times every pack once, so a burst of foreign load on the machine
+    # hits one repeat of many packs (the median drops it), not all repeats of a few packs.
+    times: list[list[float]] = [[] for _ in cases_by_size]
+    for r in range(repeats + 1):
+        for j, (_, _, tok, lab, pos, layout) in enumerate(cases_by_size):
+            if distributed:
+                dist.barrier()
+            t0 = time.perf_counter()
+            model.loss_sum(tok, lab, pos, layout, kernel="auto").backward()
+            sync()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if distributed:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r:  # the first round is a warm-up
+                times[j].append(float(t.item()))
             model.zero_grad(set_to_none=True)
-            out.append(Measurement(cp, tuple(seqlens), statistics.median(times)))
+    out = [
+        Measurement(cp, tuple(seqlens), statistics.median(t))
+        for (cp, seqlens, *_), t in zip(cases_by_size, times)
+    ]
     return out

@@ -1,7 +1,7 @@
 """Profile this hardware into a cost-model profile: ``python -m dyncp.cost_model.profile``.
 
     python -m dyncp.cost_model.profile --out profiles/mine.json                 # one process
-    torchrun --nproc-per-node 4 -m dyncp.cost_model.profile --out profiles/cpu-gloo.json
+    torchrun --nproc-per-node 2 -m dyncp.cost_model.profile --out profiles/cpu-gloo.json
 
 What it measures, per transformer layer of the model shape (``--model``):
 

@@ -179,6 +179,7 @@ def execute(
     me = pool.position
     if me is None:
         raise ValueError("this rank is not on the pool's DP x CP axis")
+    call_start = time.perf_counter()
     call = pool.calls
     pool.calls += 1
     board = FailureBoard(pool.store, call=call, world=pool.world, names=pool.ranks)
@@ -200,9 +201,12 @@ def execute(
         raise ValueError("the global batch has no label tokens; nothing to train on")
     scale = 1.0 / total
     report = RankReport()
-    step_start = time.perf_counter()
+    # The agreement and the checks above are synchronisation the step pays once: they count in
+    # the first wave's wall clock (and so in the wave cost a calibration fits).
+    wave_start = step_start = call_start
     for w, wave in enumerate(plan.waves):
-        wave_start = time.perf_counter()
+        if w:
+            wave_start = time.perf_counter()
         group = next((g for g in wave.groups if g.start <= me < g.start + g.size), None)
         if group is not None:
             pg = pool.group(group.start, group.size)
