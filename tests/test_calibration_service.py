@@ -5,7 +5,11 @@ client writes to the model keys."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -130,3 +134,49 @@ def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_v
         later = reader.fetch(0, 2)  # planned after the new version was adopted
     assert later.source == "service" and later.plan.stats["model_version"] == 1
     assert calibrator.current.version == 1 and calibrator.last.error_after < 0.01
+
+
+@pytest.mark.timeout(120)
+def test_serve_command_calibrates_and_saves_the_profile(tmp_path):
+    """python -m dyncp.serve --calibrate: measurements pushed by a trainer are fitted, the
+    version is published (signed with the job's secret) and the profile saved."""
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
+                           wait_for_workers=False)
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "lengths.npy", np.clip(rng.lognormal(5.5, 1.2, 400), 1, 4000).astype(int))
+    saved = tmp_path / "calibrated.json"
+    cmd = [
+        sys.executable, "-m", "dyncp.serve", "--host", "127.0.0.1", "--port", str(master.port),
+        "--prefix", "cal", "--dataset", str(tmp_path / "lengths.npy"), "--world", str(WORLD),
+        "--ranks-per-node", str(WORLD), "--capacity", str(CAPACITY), "--global-batch-tokens",
+        str(2 * WORLD * CAPACITY), "--profile", "cpu-gloo", "--time-limit", "0.05",
+        "--duration", "60", "--calibrate", "--refit-every", "16", "--save-profile", str(saved),
+    ]
+    env = dict(os.environ, DYNCP_PLAN_SECRET=SECRET.decode())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    signer = PlanSigner(SECRET)
+    try:
+        truth = CostModel(slower_profile(), WORLD)
+        pusher = MeasurementChannel(master, "cal", signer=signer)
+        for step in range(2):
+            mbs = []
+            for i in range(16):
+                cp = (1, 2, 4)[i % 3]
+                lengths = tuple(int(x) for x in rng.integers(20, 600, size=4))
+                mbs.append(Measurement(cp, lengths, truth.microbatch_seconds(cp, lengths)))
+            pusher.push(step, mbs)
+        models = ModelChannel(master, "cal", signer=signer)
+        end = time.monotonic() + 60
+        while models.latest() is None:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < end, "dyncp.serve never adopted a refit"
+            time.sleep(0.05)
+        assert models.get(models.latest()).version >= 1
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "cost model v1" in out or "cost model v2" in out, out
+    profile = load_profile(saved)
+    assert any("calibrated from 32 micro-batches" in n for n in profile.provenance.notes)
