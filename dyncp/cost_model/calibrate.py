@@ -25,7 +25,8 @@ Why it cannot be dragged far by bad measurements:
 - residuals are relative (``predicted / measured - 1``): a long micro-batch weighs no more than a
   short one;
 - pass 1 minimises a Cauchy loss (``scipy.optimize.least_squares``, ``f_scale`` 5%): a residual of
-  100% (a garbage-collection pause, a straggler) pulls ~20x less than under squares;
+  100% (a garbage-collection pause, a straggler) pulls on the fit ~400x less than under squares
+  (influence ``r / (1 + (r / 0.05)^2)`` against ``r``);
 - then measurements further than ``max(3 x 1.4826 x MAD, 5%)`` from the median residual are
   dropped as outliers and pass 2 refits the rest with a soft-L1 loss, from pass 1's solution;
 - every coefficient has a weak prior row pulling it to the profile's value, so a coefficient the
