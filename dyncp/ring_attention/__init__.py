@@ -9,7 +9,8 @@ Usage on each rank of a ring (the runtime does this once per micro-batch)::
 Modules: ``layout`` (RingLayout), ``sharding`` (zigzag pad/split/unsplit, positions),
 ``steps`` (the zigzag causal schedule), ``block`` (the kernel interface), ``math_kernel`` /
 ``sdpa_kernel`` / ``flash_kernel`` (block kernels), ``kernels`` (choosing one), ``merge`` (the
-log-sum-exp update), ``comm`` (ring send/recv), ``ring`` (the autograd Function).
+log-sum-exp update), ``comm`` (ring send/recv), ``ring`` (the autograd Function), ``window``
+(sliding-window causal attention that skips ring steps outside the window).
 """
 
 from dyncp.ring_attention.block import BlockKernel, BlockSpec
@@ -31,6 +32,7 @@ from dyncp.ring_attention.sharding import (
     zigzag_token_index,
     zigzag_unshard,
 )
+from dyncp.ring_attention.window import WindowPlan, window_plan
 
 __all__ = [
     "KERNEL_NAMES",
@@ -41,11 +43,13 @@ __all__ = [
     "MathKernel",
     "RingLayout",
     "SdpaKernel",
+    "WindowPlan",
     "make_kernel",
     "make_ring_layout",
     "merge_block",
     "ring_attention",
     "select_kernel",
+    "window_plan",
     "zigzag_positions",
     "zigzag_shard",
     "zigzag_token_index",

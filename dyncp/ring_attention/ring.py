@@ -23,8 +23,10 @@ from dyncp.ring_attention.block import BlockKernel, acc_dtype
 from dyncp.ring_attention.comm import PendingExchange, ring_exchange
 from dyncp.ring_attention.kernels import select_kernel
 from dyncp.ring_attention.layout import RingLayout
+from dyncp.ring_attention.math_kernel import MathKernel
 from dyncp.ring_attention.merge import merge_block
 from dyncp.ring_attention.steps import RingStep, zigzag_steps
+from dyncp.ring_attention.window import windowed_ring_attention
 
 __all__ = ["ring_attention"]
 
@@ -41,6 +43,7 @@ def ring_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str | BlockKernel = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's zigzag shards of a packed micro-batch, over the layout's ring.
 
@@ -52,6 +55,9 @@ def ring_attention(
         causal: causal attention within each sequence; otherwise full attention.
         softmax_scale: score scale, default ``1 / sqrt(D)``.
         kernel: ``"auto"``, ``"flash"``, ``"sdpa"``, ``"math"`` or a ``BlockKernel``.
+        window: causal sliding window (each query sees itself and the ``window - 1`` keys before
+            it); ring steps outside the window are skipped (``window.py``). Runs the exact
+            position-masked block computation, so ``kernel`` must be ``"auto"`` or ``"math"``.
 
     Returns:
         ``(T, H, Dv)`` in the dtype of ``q``. Padding rows are 0; real rows never depend on
@@ -60,13 +66,23 @@ def ring_attention(
     Raises:
         ValueError: mismatched shapes, dtypes or devices, tensors that do not match the layout's
             ``cu_seqlens_local``, a layout whose group does not contain this rank, an unusable
-            kernel or a non-positive scale.
+            kernel or a non-positive scale; a window below 1, without ``causal`` or with
+            another kernel.
     """
     _check_inputs(q, k, v, layout)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if window is not None:
+        if not causal:
+            raise ValueError("window=... is a causal sliding window: pass causal=True")
+        if not (kernel in ("auto", "math") or isinstance(kernel, MathKernel)):
+            raise ValueError(f"window=... runs the exact windowed kernel; kernel must be 'auto' "
+                             f"or 'math', got {kernel!r}")  # fmt: skip
+        return windowed_ring_attention(
+            q, k, v, layout, window=window, softmax_scale=float(softmax_scale)
+        )
     block_kernel = select_kernel(
         kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1]
     )
