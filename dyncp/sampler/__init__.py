@@ -28,11 +28,19 @@ The sampler runs in the DataLoader's main process; with ``num_workers > 0`` the 
 index lists (meta included) and run only the dataset and the collate.
 
 Modules: ``schedule`` (global batches), ``microbatches`` (a rank's share of a plan), ``collate``
-(dataset wrapper and packing), ``sources`` (where plans come from), ``sampler`` (the sampler).
+(dataset wrapper and packing), ``sources`` (where plans come from), ``sampler`` (the sampler),
+``online`` (batches whose lengths arrive at run time, e.g. RL rollouts: ``OnlinePlanner``).
 """
 
 from dyncp.sampler.collate import PackedMicroBatch, PlannedDataset, PlannedItems, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
+from dyncp.sampler.online import (
+    OnlinePlanner,
+    OnlinePlanningError,
+    OnlineStep,
+    PendingStep,
+    RolloutBatch,
+)
 from dyncp.sampler.sampler import DynamicCPSampler
 from dyncp.sampler.schedule import OVERLONG, BatchSchedule
 from dyncp.sampler.sources import SamplerCounters, StepInfo
@@ -43,9 +51,14 @@ __all__ = [
     "DynamicCPSampler",
     "MicroBatchIndices",
     "MicroBatchMeta",
+    "OnlinePlanner",
+    "OnlinePlanningError",
+    "OnlineStep",
     "PackedMicroBatch",
+    "PendingStep",
     "PlannedDataset",
     "PlannedItems",
+    "RolloutBatch",
     "SamplerCounters",
     "StepInfo",
     "ZigzagCollate",
