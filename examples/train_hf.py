@@ -1,0 +1,167 @@
+"""Train a Hugging Face causal LM (transformers) under dynamic CP.
+
+    torchrun --nproc-per-node 2 examples/train_hf.py --steps 5                 # tiny Llama, CPU
+    torchrun --nproc-per-node 4 examples/train_hf.py --family qwen3 --metrics-port 9400
+    torchrun --nproc-per-node 8 examples/train_hf.py --backend nccl --config /path/to/model_dir
+
+The model is built from a config, without downloading weights: a tiny Llama or Qwen3 config
+(``--family``), or the ``config.json`` in a local directory (``--config``). Its attention
+implementation is dyncp's ring attention (``dyncp.integrations.hf``); everything else is the
+model's own code. Every rank plans each step with the same deterministic dyncp planner,
+executes its share with ``runtime.execute`` (``causal_lm_loss`` shards tokens, position ids and
+shifted labels with the zigzag layout), reduces the gradients over the DP x CP axis and steps
+the optimiser. Rank 0 prints the loss, the CP sizes used, the measured and predicted step time;
+``--metrics-port`` serves the Prometheus metrics from rank 0. Document lengths come from a
+bundled real distribution (truncated to ``--max-length``), tokens are random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+
+from dyncp.cost_model import CostModel
+from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
+from dyncp.metrics import Metrics
+from dyncp.planner import Planner
+from dyncp.runtime import GroupPool, execute
+from dyncp.sim.replay import admit, draw_batches
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def build_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
+    if args.config is not None:
+        return transformers.AutoConfig.from_pretrained(args.config)  # a local directory
+    max_pos = {"max_position_embeddings": max(2048, 2 * args.max_length)}
+    if args.family == "llama":
+        return transformers.LlamaConfig(**TINY, **max_pos)
+    return transformers.Qwen3Config(**TINY, **max_pos, head_dim=16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=("llama", "qwen3"), default="llama")
+    p.add_argument("--config", default=None, help="local directory with a model's config.json")
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--capacity", type=int, default=512, help="tokens per rank per micro-batch")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--global-batch-tokens", type=int, default=4096)
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="cost-model profile; default on gloo: cpu-gloo (2 processes) or cpu-gloo-4proc (4)",
+    )
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    args = p.parse_args()
+
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.profile is None:
+        cpu = "cpu-gloo-4proc" if world == 4 else "cpu-gloo"
+        args.profile = cpu if args.backend == "gloo" else "h100-reference"
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if args.backend == "nccl"
+        else torch.device("cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    pool = GroupPool()
+    planner = Planner(
+        CostModel.load(args.profile, ranks_per_node=per_node),
+        world=world,
+        ranks_per_node=per_node,
+        capacity=args.capacity,
+        deterministic=True,
+        cpsat=None,
+    )  # identical on every rank
+    metrics = None
+    if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
+        metrics = Metrics(cp_sizes=planner.topology.group_sizes)
+        print(f"metrics at {metrics.serve(port=args.metrics_port).url}")
+
+    # The lines a user changes: register the ring, build the model with it.
+    attn = register_ring_attention()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    config = build_config(args)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = model.to(device).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    lengths, admission = admit(
+        load_lengths(resolve_dataset(args.dataset)), args.max_length, "truncate"
+    )
+    if rank == 0:
+        print(f"{type(model).__name__} ({attn}), {world} ranks, {pool}; {admission.summary()}")
+    batches = draw_batches(
+        lengths, steps=args.steps, seed=args.seed, global_batch_tokens=args.global_batch_tokens
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    for step, batch in enumerate(batches):
+        plan = planner.plan(batch)
+        tokens = [torch.randint(0, config.vocab_size, (int(s),), generator=gen) for s in batch]
+        losses = []
+
+        def step_fn(ctx, tokens=tokens, losses=losses) -> None:
+            packed = torch.cat([tokens[i] for i in ctx.seq_ids]).to(device)
+            loss = causal_lm_loss(model, ctx, packed)  # summed token loss * ctx.loss_scale
+            loss.backward()
+            losses.append(loss.detach())
+
+        start = time.perf_counter()
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        report = execute(plan, pool, step_fn, synchronize=sync)
+        for param in model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)  # SUM over the DP x CP axis
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        dist.all_reduce(loss)
+        busy = torch.tensor([report.busy_seconds], device=device)
+        all_busy = [torch.zeros_like(busy) for _ in range(world)]
+        dist.all_gather(all_busy, busy)
+        busy_all = np.array([b.item() for b in all_busy])
+        if metrics is not None:
+            metrics.observe_step(plan)
+            metrics.observe_measured_step(
+                policy=plan.policy,
+                step_seconds=seconds,
+                rank_busy_seconds=busy_all,
+                predicted_step_seconds=plan.stats["predicted_step_seconds"],
+            )
+        if rank == 0:
+            st = plan.stats
+            sizes = sorted(set(plan.cp_of_sequences().values()))
+            print(
+                f"step {step}: loss {loss.item():.4f}  docs {len(batch)}  waves {st['waves']}  "
+                f"cp sizes {sizes}  measured {seconds:.3f} s  predicted "
+                f"{st['predicted_step_seconds']:.3f} s ({args.profile})  imbalance measured "
+                f"{busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
