@@ -38,8 +38,9 @@ class RolloutLengths:
     def __post_init__(self) -> None:
         lo, hi = self.prompt_tokens
         if self.prompts < 1 or self.group_size < 1:
-            raise ValueError(f"prompts and group_size must be >= 1, got {self.prompts}, "
-                             f"{self.group_size}")
+            raise ValueError(
+                f"prompts and group_size must be >= 1, got {self.prompts}, {self.group_size}"
+            )
         if not 1 <= lo <= hi:
             raise ValueError(f"prompt_tokens must be (lo, hi) with 1 <= lo <= hi, got {lo, hi}")
         if not 1 <= self.median_response <= self.max_response:
@@ -54,9 +55,15 @@ class RolloutLengths:
 
     def draw(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths) of one step, in prompt-group order."""
+        ids, prompt, response = self.draw_parts(rng)
+        return ids, prompt + response
+
+    def draw_parts(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, prompt tokens, response tokens) of one step; ``response == max_response`` marks
+        a rollout cut at the cap."""
         p, g = self.prompts, self.group_size
         prompt = rng.integers(self.prompt_tokens[0], self.prompt_tokens[1] + 1, p)
         median = self.median_response * np.exp(rng.normal(0.0, self.prompt_sigma, p))
         response = np.repeat(median, g) * np.exp(rng.normal(0.0, self.within_sigma, p * g))
         response = np.clip(np.round(response), 1, self.max_response).astype(np.int64)
-        return np.arange(p * g, dtype=np.int64), np.repeat(prompt, g) + response
+        return np.arange(p * g, dtype=np.int64), np.repeat(prompt, g), response
