@@ -7,10 +7,10 @@ A toy generator (``dyncp.testing.rollouts.RolloutLengths``: prompt groups with c
 long-tailed response lengths capped at a maximum response; scaled down here so that a CPU trains
 it) produces each step's rollouts. The loop is a one-step off-policy pipeline: the rollouts of
 step k+1 exist while step k trains, so ``OnlinePlanner.submit`` hands them to the planning thread
-*before* step k trains and ``result`` finds the plan made (``--serial`` submits after training:
-planning is then on the critical path). Every rank generates the same batch (the trainer ranks
-all receive the rollouts); rank 0 plans with an anytime planner and broadcasts the plan over a
-gloo group; the tiny decoder trains on it with ``runtime.execute``.
+*before* step k trains and ``result`` finds the plan made (``--serial`` submits each batch when
+its step starts: planning is then on the critical path). Every rank generates the same batch (the
+trainer ranks all receive the rollouts); rank 0 plans with an anytime planner and broadcasts the
+plan over a gloo group; the tiny decoder trains on it with ``runtime.execute``.
 
 Rank 0 prints per step the root's planning time, the time the step waited for its plan, the
 training time, and the cost model's predicted step time for the dyncp plan and for static CP
@@ -82,13 +82,15 @@ def main() -> None:
     rows = []
     with OnlinePlanner(planner, rank=rank, group=group) as online:
         batch = generate()
-        pending = online.submit(batch[0], batch[1])
+        pending = None if args.serial else online.submit(batch[0], batch[1])
         for step in range(args.steps):
             ids, lengths, tokens = batch
             following = generate() if step + 1 < args.steps else None
-            if following is not None and not args.serial:  # plan k+1 while k trains
-                upcoming = online.submit(following[0], following[1])
             start = time.perf_counter()
+            if args.serial:  # planning on the critical path
+                pending = online.submit(ids, lengths)
+            elif following is not None:  # plan k+1 while k trains
+                upcoming = online.submit(following[0], following[1])
             planned = pending.result(timeout=120)
             waited = time.perf_counter() - start
             losses: list[torch.Tensor] = []
@@ -111,8 +113,6 @@ def main() -> None:
             optim.step()
             optim.zero_grad(set_to_none=True)
             trained = time.perf_counter() - start - waited
-            if following is not None and args.serial:  # plan k+1 only now
-                upcoming = online.submit(following[0], following[1])
             loss = torch.stack(losses).sum() if losses else torch.zeros(())
             dist.all_reduce(loss)
             if rank == 0:
@@ -126,7 +126,8 @@ def main() -> None:
                     f"{trained:.3f} s  predicted {predicted:.3f} s vs static CP {base:.3f} s"
                 )
             if following is not None:
-                batch, pending = following, upcoming
+                batch = following
+                pending = None if args.serial else upcoming
     if rank == 0 and rows:
         plan_s, wait_s, train_s, pred, base = (np.array(c) for c in zip(*rows))
         later = slice(1, None) if len(rows) > 1 else slice(None)  # step 0 is never overlapped
