@@ -52,6 +52,16 @@ class CostModel:
         ranks_per_node: groups larger than this use the profile's inter-node link.
     """
 
+    def __new__(cls, *args: object, **kwargs: object) -> CostModel:
+        # A profile with layer_mix (sliding windows, SSM mixers) is priced by the subclass.
+        # No arguments (unpickling): the class is already the right one.
+        profile = args[0] if args else kwargs.get("profile")
+        if cls is CostModel and getattr(profile, "layer_mix", None) is not None:
+            from dyncp.cost_model.layer_mix import LayerMixCostModel
+
+            return super().__new__(LayerMixCostModel)
+        return super().__new__(cls)
+
     def __init__(self, profile: Profile, ranks_per_node: int) -> None:
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")

@@ -222,6 +222,34 @@ class Overheads(_Strict):
     wave_seconds: float = Field(ge=0, description="synchronisation when group membership changes")
 
 
+class WindowGroup(_Strict):
+    """``layers`` sliding-window attention layers whose queries each see ``window`` keys."""
+
+    window: int = Field(ge=1, description="keys each query sees, itself included")
+    layers: int = Field(ge=1)
+
+
+class LayerMix(_Strict):
+    """Which mixers the layers run, when not every layer is full causal attention.
+
+    Optional: a profile without it prices ``model.num_layers`` full-attention layers, as before.
+    With it, ``attention`` prices only ``full_attention_layers`` layers; sliding-window layers
+    reuse the same attention table at the window's length, and SSM layers cost a time per token
+    plus the chunk-state all-gather of ``dyncp.ssm`` (see ``dyncp.cost_model.layer_mix``).
+    Parallel mixers (attention and SSM in one layer, as in Falcon-H1) count in both.
+    """
+
+    full_attention_layers: int = Field(ge=0)
+    window: list[WindowGroup] = []
+    ssm_layers: int = Field(default=0, ge=0)
+    ssm_seconds_per_token: float = Field(
+        default=0.0, ge=0, description="one SSM mixer's scan, fwd+bwd, per token"
+    )
+    ssm_chunk_state_bytes: float = Field(
+        default=0.0, ge=0, description="bytes of one chunk's (decay, state) summary per layer"
+    )
+
+
 class Profile(_Strict):
     """A complete cost-model profile."""
 
@@ -237,6 +265,24 @@ class Profile(_Strict):
     communication: Communication
     overheads: Overheads
     padding: Padding = Padding()
+    layer_mix: LayerMix | None = None
+
+    @model_validator(mode="after")
+    def _check_mix(self) -> Profile:
+        mix = self.layer_mix
+        if mix is None:
+            return self
+        attention = mix.full_attention_layers + sum(g.layers for g in mix.window)
+        if attention > self.model.num_layers or mix.ssm_layers > self.model.num_layers:
+            raise ValueError(
+                f"layer_mix: {attention} attention and {mix.ssm_layers} SSM layers, but "
+                f"model.num_layers is {self.model.num_layers}"
+            )
+        if attention + mix.ssm_layers == 0:
+            raise ValueError("layer_mix: no layer has a mixer (attention, window or ssm)")
+        if self.communication.kind != "ring":
+            raise ValueError("layer_mix is priced for ring attention: communication.kind 'ring'")
+        return self
 
     @classmethod
     def from_json(cls, text: str, origin: str = "<string>") -> Profile:
@@ -254,7 +300,10 @@ class Profile(_Strict):
             raise ProfileError(f"profile {origin} is invalid: {problems}") from None
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+        data = self.model_dump(mode="json")
+        if data.get("layer_mix") is None:
+            data.pop("layer_mix", None)  # profiles without a mix keep their exact form
+        return json.dumps(data, indent=2) + "\n"
 
 
 def bundled_profiles() -> dict[str, Path]:
