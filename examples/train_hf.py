@@ -33,29 +33,20 @@ from dyncp.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
 from dyncp.sim.replay import admit, draw_batches
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+from dyncp.testing.hf_models import FAMILIES, tiny_config
 
 
 def build_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
     if args.config is not None:
         return transformers.AutoConfig.from_pretrained(args.config)  # a local directory
-    max_pos = {"max_position_embeddings": max(2048, 2 * args.max_length)}
-    if args.family == "llama":
-        return transformers.LlamaConfig(**TINY, **max_pos)
-    return transformers.Qwen3Config(**TINY, **max_pos, head_dim=16)
+    return tiny_config(
+        args.family, vocab=256, hidden=64, max_positions=max(2048, 2 * args.max_length)
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=("llama", "qwen3"), default="llama")
+    p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--config", default=None, help="local directory with a model's config.json")
     p.add_argument("--dataset", default="wikipedia")
     p.add_argument("--steps", type=int, default=5)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.integrations.hf import (  # noqa: E402
@@ -33,32 +33,15 @@ from dyncp.ring_attention import make_ring_layout  # noqa: E402
 from dyncp.runtime import GroupPool, MicroBatchContext, execute  # noqa: E402
 from dyncp.testing import next_token_labels  # noqa: E402
 from dyncp.testing.distributed import run_gloo  # noqa: E402
+from dyncp.testing.hf_models import FAMILIES, tiny_causal_lm, tiny_config  # noqa: E402
 
 WORLD = 4
 VOCAB = 61
-FAMILIES = ("llama", "qwen3")
 
 
 def make_model(family: str, attn: str) -> torch.nn.Module:
     """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 8), same weights every call."""
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    if family == "llama":
-        config = transformers.LlamaConfig(**common)
-    elif family == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=8)
-    else:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    return model.double()
+    return tiny_causal_lm(tiny_config(family, vocab=VOCAB), attn)
 
 
 def tokens_for(lengths: tuple[int, ...], seed: int) -> list[torch.Tensor]:
