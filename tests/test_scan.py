@@ -2,7 +2,7 @@
 
 float64 outputs and gradients (of ``a`` and ``x``) must agree within 1e-10 relative, in-process at
 cp=1 and on 4 spawned gloo ranks as one cp=4 ring and two cp=2 rings, with lengths that leave
-chunks partly or wholly padded.
+chunks partly or wholly padded; both exchanges (chunk states, all-to-all to channels).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dyncp.ring_attention import make_ring_layout, zigzag_shard, zigzag_token_index
-from dyncp.ssm import diagonal_scan
+from dyncp.ssm import channel_parallel_scan, diagonal_scan
 from dyncp.testing.distributed import run_gloo
 
 TOL = 1e-10
@@ -30,7 +30,7 @@ def reference_scan(a: torch.Tensor, x: torch.Tensor, seqlens: list[int]) -> torc
     return torch.stack(outs)
 
 
-def make_case(seed: int, seqlens: list[int], channels: int = 5) -> dict:
+def make_case(seed: int, seqlens: list[int], channels: int = 8) -> dict:
     gen = torch.Generator().manual_seed(seed)
     total = sum(seqlens)
     # Decays in (0.5, 1): long memory, so states really cross chunk and rank boundaries.
@@ -47,13 +47,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp(min=1e-300)).item()
 
 
-def _run(case: dict, *, cp: int, group) -> float:
+def _run(case: dict, *, cp: int, group, scan=diagonal_scan) -> float:
     seqlens = case["seqlens"]
     layout = make_ring_layout(seqlens=seqlens, cp=cp, group=group)
     r = layout.rank
     a = zigzag_shard(case["a"], seqlens=seqlens, cp=cp, rank=r).requires_grad_()
     x = zigzag_shard(case["x"], seqlens=seqlens, cp=cp, rank=r).requires_grad_()
-    y = diagonal_scan(a, x, layout)
+    y = scan(a, x, layout)
     dy = zigzag_shard(case["dy"], seqlens=seqlens, cp=cp, rank=r)
     da, dx = torch.autograd.grad(y, [a, x], dy)
     index = zigzag_token_index(seqlens=seqlens, cp=cp, rank=r)
@@ -72,13 +72,14 @@ def _worker(rank: int, world: int, cases: list[dict]) -> list[float]:
     whole = dist.new_group(list(range(world)))
     errs = []
     for case in cases:
-        errs.append(_run(case, cp=4, group=whole))
-        errs.append(_run(case, cp=2, group=halves[rank // 2]))
+        for scan in (diagonal_scan, channel_parallel_scan):
+            errs.append(_run(case, cp=4, group=whole, scan=scan))
+            errs.append(_run(case, cp=2, group=halves[rank // 2], scan=scan))
     return errs
 
 
 @pytest.mark.timeout(120)
-def test_scan_matches_one_process_cp4_and_cp2() -> None:
+def test_state_passing_and_channel_parallel_scans_match_one_process() -> None:
     cases = [make_case(i, s) for i, s in enumerate(SEQLENS)]
     results = run_gloo(_worker, world=4, args=(cases,), timeout=100)
     worst = max(max(r) for r in results)
@@ -105,3 +106,5 @@ def test_scan_errors() -> None:
         diagonal_scan(a[:3], a[:3], layout)
     with pytest.raises(ValueError, match="share shape, dtype and device"):
         diagonal_scan(a, a.float(), layout)
+    # cp=1 needs no exchange: the channel-parallel scan is the plain one.
+    assert torch.equal(channel_parallel_scan(a, a, layout), diagonal_scan(a, a, layout))
