@@ -96,6 +96,24 @@ def test_ssm_layers_add_scan_work_and_a_per_sequence_exchange() -> None:
     )
 
 
+def test_ssm_pays_the_cheaper_exchange_and_says_which() -> None:
+    dense = load_profile("h100-reference")
+    mix = {"full_attention_layers": 0, "ssm_layers": 10, "ssm_chunk_state_bytes": 4e6}
+    state = CostModel(_with_mix(dense, mix), 8)
+    both = CostModel(_with_mix(dense, {**mix, "ssm_all_to_all_bytes_per_token": 4e4}), 8)
+    many, one = [256] * 32, [65536]
+    # Many short documents: states per document outweigh activations per token.
+    assert both.ssm_exchange(8, many) == "all_to_all" and state.ssm_exchange(8, many) == "state"
+    assert both.microbatch_seconds(8, many) < state.microbatch_seconds(8, many)
+    # One long document: a few states are cheaper than moving every token.
+    assert both.ssm_exchange(8, one) == "state"
+    assert both.microbatch_seconds(8, one) == state.microbatch_seconds(8, one)
+    assert both.ssm_exchange(1, one) == "none"
+    for cp, lengths in ((8, many), (8, one), (4, many + one)):
+        split = both.fixed_seconds(cp) + both.bound_rank_seconds(cp, np.array(lengths)).sum() / cp
+        assert both.microbatch_seconds(cp, lengths) >= split * (1 - 1e-12)
+
+
 def test_layer_mix_errors() -> None:
     dense = load_profile("h100-reference")
     with pytest.raises(ValueError, match="model.num_layers is 32"):

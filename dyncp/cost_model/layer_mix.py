@@ -7,7 +7,7 @@ size ``c`` with ``T = sum p_i``::
     CostModel terms      linear (all GEMMs, MoE and FP8 included) + overhead
                          + full_attention_layers x (the ring layer of model.py)
     window group (w, n)  n x ring layer with  W = sum_i Aw(p_i, c)  and  1 + h  steps
-    SSM layers (n)       n x (ssm_seconds_per_token x T / c + 2 all-gathers of chunk states)
+    SSM layers (n)       n x (ssm_seconds_per_token x T / c + min(state passing, all-to-all))
 
 ``Aw(p, c)``: a windowed sequence longer than its window does ``A(w) (1 + 2 (p - w) / (w + 1))``
 work (the causal pairs of the first ``w`` tokens, then ``w`` keys per query), split over the
@@ -17,7 +17,11 @@ measured attention table. ``h`` is the K/V transfers the window needs in the zig
 ``m = p / 2c`` tokens reaches ``d`` ranks each way, so ``h = min(c - 1, 2 max_i d_i)``. The backward
 sends only dK/dV (the forward keeps the K/V blocks it received). An SSM layer under CP runs its
 scan on local tokens and exchanges every chunk's ``(decay, state)`` in one all-gather forward and
-one backward (``dyncp.ssm``): ``(c - 1)(latency + 2 n_seq bytes / bandwidth)`` each, not hidden.
+one backward (``dyncp.ssm.diagonal_scan``): ``(c - 1)(latency + 2 n_seq bytes / bandwidth)`` each,
+not hidden. Or, when the profile gives ``ssm_all_to_all_bytes_per_token``, two all-to-alls to
+channel parallelism forward and two backward (``dyncp.ssm.channel_parallel_scan``):
+``4 latency + 2 B T (c - 1) / (c^2 bandwidth)``, growing with tokens rather than documents. Each
+pack pays the cheaper of the two (``ssm_exchange`` says which, for the caller to run).
 
 ``layers`` keeps its meaning for the ring formula (it multiplies the full-attention ring layer),
 so it is ``full_attention_layers`` here; the window and SSM terms are added on top. Calibration
@@ -49,6 +53,7 @@ class LayerMixCostModel(CostModel):
         self.ssm_layers = mix.ssm_layers
         self.ssm_per_token = mix.ssm_seconds_per_token
         self.ssm_state_bytes = mix.ssm_chunk_state_bytes
+        self.ssm_a2a_bytes = mix.ssm_all_to_all_bytes_per_token
 
     # ------------------------------------------------------------------------------ pieces
     def window_work(self, cp: int, p: np.ndarray, window: int) -> np.ndarray:
@@ -85,15 +90,50 @@ class LayerMixCostModel(CostModel):
         comp_f = comp * self.fwd_fraction
         return np.maximum(comp_f, comm_f) + np.maximum(comp - comp_f, comm_b)
 
-    def _ssm_fixed(self, cp: int) -> float:
-        return 0.0 if cp == 1 else 2.0 * (cp - 1) * self.link(cp)[0]
+    def _ssm_state_passing(self, cp: int, p: np.ndarray) -> tuple[float, np.ndarray]:
+        """(fixed, per sequence) seconds of the two chunk-state all-gathers of one layer."""
+        if cp == 1:
+            return 0.0, np.zeros(np.shape(p))
+        latency, bandwidth = self.link(cp)
+        per_seq = np.full(np.shape(p), 2.0 * (cp - 1) * 2.0 * self.ssm_state_bytes / bandwidth)
+        return 2.0 * (cp - 1) * latency, per_seq
 
-    def _ssm_per_sequence(self, cp: int, p: np.ndarray) -> np.ndarray:
-        """Scan work plus the all-gather bytes one sequence adds (two chunks per rank)."""
-        out = self.ssm_per_token * np.asarray(p, dtype=np.float64) / cp
-        if cp > 1:
-            out = out + 2.0 * (cp - 1) * 2.0 * self.ssm_state_bytes / self.link(cp)[1]
+    def _ssm_all_to_all(self, cp: int, p: np.ndarray) -> tuple[float, np.ndarray] | None:
+        """(fixed, per sequence) seconds of the four all-to-alls of one layer, if offered."""
+        if cp == 1 or self.ssm_a2a_bytes <= 0:
+            return None
+        latency, bandwidth = self.link(cp)
+        per_seq = 2.0 * self.ssm_a2a_bytes * np.asarray(p, dtype=np.float64) * (cp - 1) / cp**2
+        return 4.0 * latency, per_seq / bandwidth
+
+    def _ssm_exchange_packs(self, cp: int, p: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        fixed, per_seq = self._ssm_state_passing(cp, p)
+        out = fixed + np.add.reduceat(per_seq, starts)
+        a2a = self._ssm_all_to_all(cp, p)
+        if a2a is not None:
+            out = np.minimum(out, a2a[0] + np.add.reduceat(a2a[1], starts))
         return out
+
+    def _ssm_exchange_bound(self, cp: int, p: np.ndarray) -> tuple[float, np.ndarray]:
+        """An additive lower bound of the cheaper exchange: min of the fixed parts, and of
+        each sequence's parts (a sum of minima never exceeds the minimum of the sums)."""
+        fixed, per_seq = self._ssm_state_passing(cp, p)
+        a2a = self._ssm_all_to_all(cp, p)
+        if a2a is None:
+            return fixed, per_seq
+        return min(fixed, a2a[0]), np.minimum(per_seq, a2a[1])
+
+    def ssm_exchange(self, cp: int, lengths: Sequence[int] | np.ndarray) -> str:
+        """How an SSM layer of this micro-batch should exchange at ``cp``: ``"state"``
+        (``diagonal_scan``) or ``"all_to_all"`` (``channel_parallel_scan``); ``"none"`` at 1."""
+        if cp == 1:
+            return "none"
+        p = self.priced(cp, np.asarray(lengths)).astype(np.float64)
+        fixed, per_seq = self._ssm_state_passing(cp, p)
+        a2a = self._ssm_all_to_all(cp, p)
+        if a2a is None or fixed + per_seq.sum() <= a2a[0] + a2a[1].sum():
+            return "state"
+        return "all_to_all"
 
     def _extra_packs(self, cp: int, p: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Window and SSM seconds of each pack (``p`` priced, concatenated)."""
@@ -104,8 +144,8 @@ class LayerMixCostModel(CostModel):
             distance = np.maximum.reduceat(self.window_distance(cp, p, window), starts)
             out += layers * self._window_layer(cp, tokens, work, distance)
         if self.ssm_layers:
-            ssm = np.add.reduceat(self._ssm_per_sequence(cp, p), starts) + self._ssm_fixed(cp)
-            out += self.ssm_layers * ssm
+            scan = np.add.reduceat(self.ssm_per_token * p / cp, starts)
+            out += self.ssm_layers * (scan + self._ssm_exchange_packs(cp, p, starts))
         return out
 
     # ------------------------------------------------------------------------------ protocol
@@ -141,7 +181,8 @@ class LayerMixCostModel(CostModel):
                 else:
                     work = work + block + back
             out = out + layers * work
-        return out + self.ssm_layers * self._ssm_per_sequence(cp, p)
+        _, exchange = self._ssm_exchange_bound(cp, p)
+        return out + self.ssm_layers * (self.ssm_per_token * p / cp + exchange)
 
     def work_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
         p = self.priced(cp, lengths).astype(np.float64)
@@ -152,15 +193,17 @@ class LayerMixCostModel(CostModel):
 
     def fixed_seconds(self, cp: int) -> float:
         window_steps = sum(layers for _, layers in self.windows) * self.k
-        return super().fixed_seconds(cp) + window_steps + self.ssm_layers * self._ssm_fixed(cp)
+        exchange, _ = self._ssm_exchange_bound(cp, np.zeros(0))
+        return super().fixed_seconds(cp) + window_steps + self.ssm_layers * exchange
 
     def bound_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
-        """Window layers cost at least their work and one step; SSM terms are exact.
+        """Window layers cost at least their work and one step; SSM exchanges at least the
+        per-sequence minimum of the two ways (exact when only state passing is offered).
 
         ``CostModel.bound_rank_seconds`` starts from ``self.work_rank_seconds``, which already
         holds the window and scan work; only the SSM all-gather bytes are added here.
         """
         p = self.priced(cp, lengths).astype(np.float64)
         out = super().bound_rank_seconds(cp, lengths)
-        exchange = self._ssm_per_sequence(cp, p) - self.ssm_per_token * p / cp
+        _, exchange = self._ssm_exchange_bound(cp, p)
         return out + cp * self.ssm_layers * exchange

@@ -82,6 +82,9 @@ def build_mix_profile(src: Path, mix: LayerMixShape, *, name: str | None = None)
         "ssm_layers": mix.ssm_layers,
         "ssm_seconds_per_token": ssm_seconds,
         "ssm_chunk_state_bytes": mix.ssm_chunk_state_bytes if mix.ssm_layers else 0.0,
+        "ssm_all_to_all_bytes_per_token": (
+            mix.ssm_all_to_all_bytes_per_token if mix.ssm_layers else 0.0
+        ),
     }
     kinds = [f"{mix.full_attention_layers} full attention"]
     if mix.window_layers:
@@ -144,9 +147,11 @@ def build_mix_profile(src: Path, mix: LayerMixShape, *, name: str | None = None)
         },
         {
             "name": "SSM CP exchange",
-            "value": "chunk-state all-gather",
+            "value": "cheaper of chunk-state all-gather and all-to-all to channels",
             "source": "dyncp.ssm: every chunk's fp32 state (heads x head_dim x state) and decay, "
-            "one all-gather forward and one backward, not overlapped",
+            "one all-gather forward and one backward; or the scan's bf16 inputs (x, B, C, dt) "
+            "and output y to and from channel parallelism, two all-to-alls each way; neither "
+            "overlapped",
         },
     ]
     return Profile.model_validate(data)

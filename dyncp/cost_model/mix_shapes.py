@@ -133,6 +133,12 @@ class LayerMixShape:
         """One chunk's fp32 summary: the state (heads x head_dim x state), a decay per head."""
         return 4.0 * (self.ssm_heads * self.ssm_head_dim * self.ssm_state + self.ssm_heads)
 
+    @property
+    def ssm_all_to_all_bytes_per_token(self) -> float:
+        """bf16 bytes per token to and from channel parallelism: x, B, C, dt in, y out."""
+        inputs = 2 * self.ssm_inner + 2 * self.ssm_groups * self.ssm_state + self.ssm_heads
+        return 2.0 * (inputs + self.ssm_inner)
+
 
 _LLAMA = SHAPES["llama3-8b"]
 

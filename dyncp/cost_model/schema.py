@@ -248,6 +248,12 @@ class LayerMix(_Strict):
     ssm_chunk_state_bytes: float = Field(
         default=0.0, ge=0, description="bytes of one chunk's (decay, state) summary per layer"
     )
+    ssm_all_to_all_bytes_per_token: float = Field(
+        default=0.0,
+        ge=0,
+        description="bytes a token's SSM inputs and outputs move to and from channel "
+        "parallelism per layer, forward (0: only state passing is offered)",
+    )
 
 
 class Profile(_Strict):
