@@ -2,7 +2,8 @@
 
     python bench/hf_exactness.py            # 4 gloo processes on CPU, fp64, about a minute
 
-For each model family (tiny Llama and Qwen3, GQA + RoPE) and each plan (a hand-written one and
+For each model family (tiny Llama and Qwen3, GQA + RoPE; Qwen3 also with its second layer in a
+16-token sliding window) and each plan (a hand-written one and
 dyncp plans of random batches, each mixing CP sizes in one step, and a static CP 4 plan), the
 step runs on 4 gloo ranks with dyncp's ring attention as the model's attention implementation
 (``dyncp.integrations.hf``); the gradients are summed over the ranks. The reference is the same
@@ -67,13 +68,23 @@ def plans() -> dict[str, StepPlan]:
     return out
 
 
+#: Qwen3 with its second layer attending within a window shorter than most documents.
+WINDOWED = "qwen3-w16"
+
+
+def make_model(family: str, attn: str) -> torch.nn.Module:
+    if family == WINDOWED:
+        return tiny_causal_lm(tiny_config("qwen3", vocab=VOCAB, sliding_window=16), attn)
+    return tiny_causal_lm(tiny_config(family, vocab=VOCAB), attn)
+
+
 def _worker(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list:
     attn = register_ring_attention()
     pool = GroupPool()
     out = []
     for family, plan_json, seed in cases:
         plan = StepPlan.from_json(plan_json)
-        model = tiny_causal_lm(tiny_config(family, vocab=VOCAB), attn)
+        model = make_model(family, attn)
         tokens = tokens_for(plan.lengths, seed)
         losses = []
 
@@ -96,7 +107,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list:
 
 
 def reference(family: str, attn: str, plan: StepPlan, seed: int) -> tuple[float, dict]:
-    model = tiny_causal_lm(tiny_config(family, vocab=VOCAB), attn)
+    model = make_model(family, attn)
     total = sum(s - 1 for s in plan.lengths)
     loss = torch.zeros((), dtype=torch.float64)
     for t in tokens_for(plan.lengths, seed):
@@ -109,7 +120,7 @@ def reference(family: str, attn: str, plan: StepPlan, seed: int) -> tuple[float,
 
 def main() -> None:
     batch = plans()
-    cases = [(f, name) for f in FAMILIES for name in batch]
+    cases = [(f, name) for f in (*FAMILIES, WINDOWED) for name in batch]
     seeds = {name: i + 1 for i, name in enumerate(batch)}
     results = run_gloo(
         _worker,
@@ -117,7 +128,7 @@ def main() -> None:
         args=([(f, batch[n].to_json(), seeds[n]) for f, n in cases],),
         timeout=600,
     )
-    print(f"{'family':7} {'plan':10} {'cp sizes':10} {'grad err sdpa':>14} {'loss err sdpa':>14} "
+    print(f"{'family':9} {'plan':10} {'cp sizes':10} {'grad err sdpa':>14} {'loss err sdpa':>14} "
           f"{'grad err eager':>15} {'loss err eager':>15}")
     worst = {"sdpa": 0.0, "eager": 0.0}
     for c, (family, name) in enumerate(cases):
@@ -132,7 +143,7 @@ def main() -> None:
             worst[attn] = max(worst[attn], g_err)
             row += [g_err, abs(loss - ref_loss) / abs(ref_loss)]
         sizes = sorted({g.size for w in plan.waves for g in w.groups})
-        print(f"{family:7} {name:10} {str(sizes):10} {row[0]:14.2e} {row[1]:14.2e} "
+        print(f"{family:9} {name:10} {str(sizes):10} {row[0]:14.2e} {row[1]:14.2e} "
               f"{row[2]:15.2e} {row[3]:15.2e}")
     print(f"largest relative gradient error: vs SDPA {worst['sdpa']:.2e}, "
           f"vs eager {worst['eager']:.2e}")

@@ -118,9 +118,12 @@ def ring_attention_forward(
         ring_layout: the micro-batch's layout on this rank, passed to the model's forward as
             ``ring_layout=ctx.layout``; transformers hands forward kwargs down to every layer.
         ring_kernel: the block kernel (``"auto"``, ``"flash"``, ``"sdpa"``, ``"math"``).
-        **kwargs: the rest of transformers' attention kwargs. ``sliding_window``, ``softcap``
-            and ``s_aux`` (attention sinks) must be None: ring attention computes plain causal
-            softmax attention, and silently dropping them would train a different model.
+        **kwargs: the rest of transformers' attention kwargs. A layer's ``sliding_window``
+            (each query sees itself and the ``sliding_window - 1`` tokens before it, as in
+            transformers' masks) runs ring attention's windowed path, which skips the ring steps
+            outside the window and needs the ``"auto"`` or ``"math"`` kernel. ``softcap`` and
+            ``s_aux`` (attention sinks) must be None: ring attention does not compute them, and
+            silently dropping them would train a different model.
 
     Returns:
         ``(out, None)``: ``out`` is ``(1, T, H, D)`` as transformers expects; no weights.
@@ -146,12 +149,13 @@ def ring_attention_forward(
         )
     if dropout:
         raise ValueError(f"dyncp ring attention has no attention dropout; got dropout={dropout}")
-    for name in ("sliding_window", "softcap", "s_aux"):
+    for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(
-                f"dyncp ring attention computes full causal softmax attention; this layer asks "
-                f"for {name}={kwargs[name]!r}, which it does not support"
+                f"dyncp ring attention computes (causal, optionally windowed) softmax attention; "
+                f"this layer asks for {name}={kwargs[name]!r}, which it does not support"
             )
+    window = kwargs.get("sliding_window")
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
@@ -163,6 +167,7 @@ def ring_attention_forward(
         causal=bool(getattr(module, "is_causal", True)),
         softmax_scale=scaling,
         kernel=ring_kernel,
+        window=None if window is None else int(window),
     )
     return out.unsqueeze(0), None
 

@@ -25,11 +25,16 @@ def tiny_config(
     kv_heads: int = 2,
     layers: int = 2,
     max_positions: int = 256,
+    sliding_window: int | None = None,
 ) -> transformers.PretrainedConfig:
     """A small config of ``family`` (head_dim = hidden / heads, MLP width 2 x hidden).
 
+    ``sliding_window`` (Qwen3 only): the first layer attends in full, the others within a causal
+    window of that many tokens (Qwen3's ``use_sliding_window`` with ``max_window_layers=1``).
+
     Raises:
-        ValueError: an unknown family, or heads that do not divide the sizes.
+        ValueError: an unknown family, heads that do not divide the sizes, or a window for a
+            family without one.
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -47,8 +52,18 @@ def tiny_config(
         max_position_embeddings=max_positions,
     )
     if family == "llama":
+        if sliding_window is not None:
+            raise ValueError("sliding_window is a Qwen3 option here; Llama has no window")
         return transformers.LlamaConfig(**common)
-    return transformers.Qwen3Config(**common, head_dim=hidden // heads)
+    if sliding_window is None:
+        return transformers.Qwen3Config(**common, head_dim=hidden // heads)
+    return transformers.Qwen3Config(
+        **common,
+        head_dim=hidden // heads,
+        use_sliding_window=True,
+        sliding_window=sliding_window,
+        max_window_layers=1,
+    )
 
 
 def tiny_causal_lm(
