@@ -1,6 +1,7 @@
 """A hybrid decoder (attention + SSM per layer, one sliding-window layer) trained through
-``runtime.execute`` on 4 gloo ranks with plans mixing CP sizes 1, 2 and 4: summed gradients equal
-one process's in fp64 (within 1e-9 relative) and so does the loss."""
+``runtime.execute`` on 4 gloo ranks with plans mixing CP sizes 1, 2 and 4, with either SSM
+exchange: summed gradients equal one process's in fp64 (within 1e-9 relative) and so does the
+loss."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ CFG = HybridConfig()
 WORLD = 4
 
 
-def make_model() -> HybridDecoder:
+def make_model(exchange: str = "state") -> HybridDecoder:
     torch.manual_seed(0)
-    return HybridDecoder(CFG).double()
+    return HybridDecoder(HybridConfig(ssm_exchange=exchange)).double()
 
 
 def tokens_for(lengths: list[int], seed: int) -> list[torch.Tensor]:
@@ -63,12 +64,12 @@ def reference(plan: StepPlan, seed: int) -> tuple[float, dict[str, torch.Tensor]
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, cases: list[tuple[str, int]]) -> list:
+def _worker(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list:
     pool = GroupPool()
     out = []
-    for plan_json, seed in cases:
+    for plan_json, seed, exchange in cases:
         plan = StepPlan.from_json(plan_json)
-        model = make_model()
+        model = make_model(exchange)
         tokens = tokens_for(list(plan.lengths), seed)
         losses = []
 
@@ -93,10 +94,13 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int]]) -> list:
 
 @pytest.mark.timeout(180)
 def test_hybrid_gradients_equal_single_process() -> None:
-    cases = [(p.to_json(), seed) for seed, p in enumerate(plans(), start=1)]
+    # Both SSM exchanges; the reference is the same model on one process (no exchange at all).
+    runs = [(p, seed, ex) for ex in ("state", "all_to_all")
+            for seed, p in enumerate(plans(), start=1)]  # fmt: skip
+    cases = [(p.to_json(), seed, ex) for p, seed, ex in runs]
     results = run_gloo(_worker, world=WORLD, args=(cases,), timeout=160)
-    for c, plan in enumerate(plans()):
-        ref_loss, ref_grads = reference(plan, c + 1)
+    for c, (plan, seed, _) in enumerate(runs):
+        ref_loss, ref_grads = reference(plan, seed)
         for rank in range(WORLD):
             loss, grads = results[rank][c]
             assert loss == pytest.approx(ref_loss, rel=1e-12, abs=0)
@@ -121,3 +125,5 @@ def test_window_changes_the_model() -> None:
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="window_layers"):
         HybridConfig(window_layers=(3,))
+    with pytest.raises(ValueError, match="ssm_exchange"):
+        HybridConfig(ssm_exchange="ring")

@@ -2,9 +2,10 @@
 
 Each block adds, to the residual stream, ring attention (full causal, or a sliding window on the
 layers listed in ``window_layers``) and a gated diagonal linear recurrence (``dyncp.ssm``), both
-reading the same normalised input, then a SiLU MLP. Small enough for fp64 on CPU; under dynamic
-CP the same module runs a whole packed batch on one process or a zigzag shard on a ring, and the
-gradients must agree.
+reading the same normalised input, then a SiLU MLP. The SSM's CP exchange is chunk-state
+passing or all-to-all to channel parallelism (``ssm_exchange``). Small enough for fp64 on CPU;
+under dynamic CP the same module runs a whole packed batch on one process or a zigzag shard on a
+ring, and the gradients must agree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from dyncp.ring_attention import RingLayout, ring_attention
-from dyncp.ssm import diagonal_scan
+from dyncp.ssm import channel_parallel_scan, diagonal_scan
 from dyncp.testing.tiny_model import IGNORE, _rope
 
 __all__ = ["HybridConfig", "HybridDecoder"]
@@ -32,6 +33,7 @@ class HybridConfig:
     ssm_channels: int = 16
     window: int = 5
     window_layers: tuple[int, ...] = (1,)
+    ssm_exchange: str = "state"  # "state" (chunk states) or "all_to_all" (channel parallel)
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -40,6 +42,10 @@ class HybridConfig:
             raise ValueError(f"window_layers {bad} are not layer indices 0..{self.layers - 1}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.ssm_exchange not in ("state", "all_to_all"):
+            raise ValueError(
+                f"ssm_exchange must be 'state' or 'all_to_all', got {self.ssm_exchange!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -69,7 +75,8 @@ class _HybridBlock(nn.Module):
         q, k = _rope(q, positions, cfg.rope_base), _rope(k, positions, cfg.rope_base)
         a = ring_attention(q, k, v, layout, causal=True, kernel="math", window=self.window)
         u, g = self.ssm_in(h).chunk(2, dim=-1)
-        s = diagonal_scan(torch.sigmoid(g), u, layout)
+        scan = diagonal_scan if cfg.ssm_exchange == "state" else channel_parallel_scan
+        s = scan(torch.sigmoid(g), u, layout)
         x = x + self.o(a.reshape(-1, cfg.dim)) + self.ssm_out(s)
         return x + self.down(torch.nn.functional.silu(self.up(self.norm2(x))))
 
