@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_hf.py --steps 5                 # tiny Llama, CPU
     torchrun --nproc-per-node 4 examples/train_hf.py --family qwen3 --metrics-port 9400
     torchrun --nproc-per-node 8 examples/train_hf.py --backend nccl --config /path/to/model_dir
+    torchrun --nproc-per-node 2 examples/train_hf.py --sampler --steps 5       # DynamicCPSampler
 
 The model is built from a config, without downloading weights: a tiny Llama or Qwen3 config
 (``--family``), or the ``config.json`` in a local directory (``--config``). Its attention
@@ -13,6 +14,12 @@ shifted labels with the zigzag layout), reduces the gradients over the DP x CP a
 the optimiser. Rank 0 prints the loss, the CP sizes used, the measured and predicted step time;
 ``--metrics-port`` serves the Prometheus metrics from rank 0. Document lengths come from a
 bundled real distribution (truncated to ``--max-length``), tokens are random.
+
+``--sampler``: the steps come from ``DynamicCPSampler`` instead (seeded global batches of the
+dataset, every sample exactly once per epoch, plans from its lookahead thread; the same
+deterministic planner on every rank). Each step's plan reaches the loop through ``on_step`` and
+runs with ``runtime.execute``; the sampler's own micro-batches mark the step boundaries, and
+``ctx.sample_ids`` name the dataset rows each micro-batch packs.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
 from dyncp.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
+from dyncp.sampler import DynamicCPSampler
 from dyncp.sim.replay import admit, draw_batches
 from dyncp.testing.hf_models import FAMILIES, tiny_config
 
@@ -42,6 +50,47 @@ def build_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
     return tiny_config(
         args.family, vocab=256, hidden=64, max_positions=max(2048, 2 * args.max_length)
     )
+
+
+def steps(args, planner, lengths, config, world: int, rank: int):
+    """``(plan, tokens)`` per step: ``tokens(i)`` is sequence i of the plan (or dataset row i).
+
+    Tokens are random but a pure function of the row (or step and sequence), so every rank
+    sees the same data without communication.
+    """
+
+    def row_tokens(i: int, salt: int = 0) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + salt * 7_919 + int(i))
+        return torch.randint(0, config.vocab_size, (int(lengths[i]),), generator=gen)
+
+    if not args.sampler:
+        batches = draw_batches(
+            lengths, steps=args.steps, seed=args.seed, global_batch_tokens=args.global_batch_tokens
+        )
+        for step, batch in enumerate(batches):
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+            tokens = [torch.randint(0, config.vocab_size, (int(s),), generator=gen) for s in batch]
+            yield planner.plan(batch), tokens.__getitem__
+        return
+    plans: dict[tuple[int, int], object] = {}
+    sampler = DynamicCPSampler(
+        lengths,
+        world_size=world,
+        rank=rank,
+        capacity=args.capacity,
+        planner=planner,
+        global_batch_tokens=args.global_batch_tokens,
+        seed=args.seed,
+        on_step=lambda plan, info: plans.__setitem__((info.epoch, info.step), plan),
+    )
+    done = 0
+    for mb in sampler:  # this rank's micro-batches; execute runs them, they mark the steps
+        if mb.meta.last_in_step:
+            yield plans.pop((mb.meta.epoch, mb.meta.step)), row_tokens
+            done += 1
+            if done == args.steps:
+                break
+    sampler.close()
 
 
 def main() -> None:
@@ -61,6 +110,7 @@ def main() -> None:
     p.add_argument("--backend", default="gloo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--sampler", action="store_true", help="take the steps from DynamicCPSampler")
     args = p.parse_args()
 
     dist.init_process_group(args.backend)
@@ -103,17 +153,13 @@ def main() -> None:
     )
     if rank == 0:
         print(f"{type(model).__name__} ({attn}), {world} ranks, {pool}; {admission.summary()}")
-    batches = draw_batches(
-        lengths, steps=args.steps, seed=args.seed, global_batch_tokens=args.global_batch_tokens
-    )
-    gen = torch.Generator().manual_seed(args.seed)
-    for step, batch in enumerate(batches):
-        plan = planner.plan(batch)
-        tokens = [torch.randint(0, config.vocab_size, (int(s),), generator=gen) for s in batch]
+    for step, (plan, tokens) in enumerate(steps(args, planner, lengths, config, world, rank)):
+        batch = plan.lengths
         losses = []
 
         def step_fn(ctx, tokens=tokens, losses=losses) -> None:
-            packed = torch.cat([tokens[i] for i in ctx.seq_ids]).to(device)
+            ids = ctx.seq_ids if ctx.sample_ids is None else ctx.sample_ids
+            packed = torch.cat([tokens(i) for i in ids]).to(device)
             loss = causal_lm_loss(model, ctx, packed)  # summed token loss * ctx.loss_scale
             loss.backward()
             losses.append(loss.detach())
