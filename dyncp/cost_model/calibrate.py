@@ -346,8 +346,13 @@ def fit_profile(
         source: what the measurements came from (goes into the new profile's provenance).
 
     Raises:
-        CalibrationError: too few measurements.
+        CalibrationError: too few measurements, or a layer-mix profile (not fitted yet).
     """
+    if profile.layer_mix is not None:
+        raise CalibrationError(
+            f"profile {profile.name!r} has a layer_mix section (windowed or SSM layers); "
+            "fit_profile refits dense-transformer profiles only (their formula is the one fitted)"
+        )
     ms = list(measurements)
     if len(ms) < min_measurements:
         raise CalibrationError(
