@@ -37,6 +37,19 @@ def slower_profile():
     return _apply(PROFILE, theta, PROFILE.overheads.wave_seconds, [], model)
 
 
+def push_slower_steps(pusher: MeasurementChannel, steps: int, seed: int) -> None:
+    """Push ``steps`` steps of 16 micro-batches (CP 1, 2, 4) timed by ``slower_profile``."""
+    truth = CostModel(slower_profile(), WORLD)
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        mbs = []
+        for i in range(16):
+            cp = (1, 2, 4)[i % 3]
+            lengths = tuple(int(x) for x in rng.integers(20, 600, size=4))
+            mbs.append(Measurement(cp, lengths, truth.microbatch_seconds(cp, lengths)))
+        pusher.push(step, mbs)
+
+
 def make_planner() -> Planner:
     return Planner(
         CostModel(PROFILE, WORLD), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY,
@@ -117,16 +130,7 @@ def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_v
     with service:
         first = reader.fetch(0, 0)
         assert first.source == "service" and first.plan.stats["model_version"] == 0
-        truth = CostModel(slower_profile(), WORLD)
-        rng = np.random.default_rng(1)
-        pusher = MeasurementChannel(store, "job", signer=signer)
-        for step in range(3):
-            mbs = []
-            for i in range(16):
-                cp = (1, 2, 4)[i % 3]
-                lengths = tuple(int(x) for x in rng.integers(20, 600, size=4))
-                mbs.append(Measurement(cp, lengths, truth.microbatch_seconds(cp, lengths)))
-            pusher.push(step, mbs)
+        push_slower_steps(MeasurementChannel(store, "job", signer=signer), 3, seed=1)
         end = time.monotonic() + 20
         while ModelChannel(store, "job", signer=signer).latest() is None:
             assert time.monotonic() < end, "the service never adopted a refit"
@@ -157,15 +161,7 @@ def test_serve_command_calibrates_and_saves_the_profile(tmp_path):
                             env=env)
     signer = PlanSigner(SECRET)
     try:
-        truth = CostModel(slower_profile(), WORLD)
-        pusher = MeasurementChannel(master, "cal", signer=signer)
-        for step in range(2):
-            mbs = []
-            for i in range(16):
-                cp = (1, 2, 4)[i % 3]
-                lengths = tuple(int(x) for x in rng.integers(20, 600, size=4))
-                mbs.append(Measurement(cp, lengths, truth.microbatch_seconds(cp, lengths)))
-            pusher.push(step, mbs)
+        push_slower_steps(MeasurementChannel(master, "cal", signer=signer), 2, seed=2)
         models = ModelChannel(master, "cal", signer=signer)
         end = time.monotonic() + 60
         while models.latest() is None:
