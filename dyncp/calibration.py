@@ -52,6 +52,8 @@ __all__ = [
 
 #: Largest encoded measurement record a reader accepts (bytes): bounded memory per record.
 MAX_RECORD_BYTES = 4 << 20
+#: Plausibility limits on a decoded measurement (a record is refused beyond them).
+MAX_CP, MAX_LENGTH, MAX_SECONDS = 1 << 20, 1 << 31, 1e6
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,11 @@ def decode_measurements(raw: bytes) -> tuple[int, list[Measurement], list[WaveMe
             cp, lengths, seconds = item
             if not isinstance(cp, int) or not all(isinstance(s, int) for s in lengths):
                 raise TypeError("cp and lengths must be integers")
+            if cp > MAX_CP or any(s > MAX_LENGTH for s in lengths) or not seconds <= MAX_SECONDS:
+                raise ValueError(
+                    f"a measurement beyond what any job runs (cp <= {MAX_CP}, lengths <= "
+                    f"{MAX_LENGTH}, seconds <= {MAX_SECONDS})"
+                )
             mbs.append(Measurement(cp, tuple(lengths), float(seconds)))
         waves = [WaveMeasurement(float(s), float(b)) for s, b in data["waves"]]
     except CalibrationError:

@@ -283,7 +283,9 @@ def test_decoding_any_json_is_a_record_or_a_calibration_error(value):
     "raw",
     [b"", b"[]", b'"x"', b"1e999", b"[" * 100000, b'{"step":1,"mb":[[1,[5],1e999]],"waves":[]}',
      b'{"step":1,"mb":[[1,[5],NaN]],"waves":[]}', b'{"step":1,"mb":[[1,[5],1]],"waves":[[1]]}',
-     b'{"step":1,"mb":[[1,[' + b"9" * 5000 + b'],1]],"waves":[]}', b"\xff\xfe"],
+     b'{"step":1,"mb":[[1,[' + b"9" * 5000 + b'],1]],"waves":[]}', b"\xff\xfe",
+     b'{"step":1,"mb":[[1,[10000000000000],1]],"waves":[]}',
+     b'{"step":1,"mb":[[4,[5],1e300]],"waves":[]}'],
 )
 def test_hostile_records_are_calibration_errors(raw):
     with pytest.raises(CalibrationError):
