@@ -42,7 +42,7 @@ from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.measure import CollectiveCalibration
 from dyncp.sim.replay import admit, draw_batches
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.distributed import run_gloo
 
 POLICIES = ("static", "megatron", "dyncp")
@@ -69,12 +69,7 @@ def _timed_step(plan, pool, model, tokens, repeats: int) -> tuple[float, object]
 
     def step_fn(ctx) -> None:
         packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-        labels = next_token_labels(packed, ctx.seqlens)
-        loss = model.loss_sum(
-            ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout,
-            kernel="auto",
-        )
-        (loss * ctx.loss_scale).backward()
+        microbatch_loss(model, ctx, packed, kernel="auto").backward()
 
     times = []
     report = None

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.testing.distributed import run_gloo
 from dyncp.testing.hf_models import FAMILIES, tiny_causal_lm, tiny_config
 
@@ -94,14 +93,8 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list:
             losses.append(loss.detach())
 
         execute(plan, pool, step_fn)
-        grads = {
-            n: p.grad if p.grad is not None else torch.zeros_like(p)
-            for n, p in model.named_parameters()
-        }
-        for g in grads.values():
-            dist.all_reduce(g)
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(loss)
+        grads = reduce_gradients(model)
+        loss = reduce_loss(losses, dtype=torch.float64)
         out.append((loss.item(), grads))
     return out
 

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.sampler import OnlinePlanner
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.rollouts import RolloutLengths
 
 
@@ -97,24 +97,16 @@ def main() -> None:
 
             def step_fn(ctx, tokens=tokens, losses=losses) -> None:
                 packed = torch.cat([tokens[i] for i in ctx.sample_ids])
-                labels = next_token_labels(packed, ctx.seqlens)
-                loss = model.loss_sum(
-                    ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(),
-                    ctx.layout, kernel="auto",
-                ) * ctx.loss_scale
+                loss = microbatch_loss(model, ctx, packed, kernel="auto")
                 loss.backward()
                 losses.append(loss.detach())
 
             execute(planned.plan, pool, step_fn)
-            for param in model.parameters():
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad)
+            reduce_gradients(model)  # SUM over the DP x CP axis
             optim.step()
             optim.zero_grad(set_to_none=True)
             trained = time.perf_counter() - start - waited
-            loss = torch.stack(losses).sum() if losses else torch.zeros(())
-            dist.all_reduce(loss)
+            loss = reduce_loss(losses)
             if rank == 0:
                 predicted = planned.plan.stats["predicted_step_seconds"]
                 base = static.plan(lengths).stats["predicted_step_seconds"]

@@ -38,7 +38,7 @@ from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
 from dyncp.metrics import Metrics
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.sampler import DynamicCPSampler
 from dyncp.sim.replay import admit, draw_batches
 from dyncp.testing.hf_models import FAMILIES, tiny_config
@@ -167,15 +167,11 @@ def main() -> None:
         start = time.perf_counter()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         report = execute(plan, pool, step_fn, synchronize=sync)
-        for param in model.parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad)  # SUM over the DP x CP axis
+        reduce_gradients(model)  # SUM over the DP x CP axis
         optim.step()
         optim.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
-        dist.all_reduce(loss)
+        loss = reduce_loss(losses, device=device)
         busy = torch.tensor([report.busy_seconds], device=device)
         all_busy = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(all_busy, busy)

@@ -33,10 +33,10 @@ from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.metrics import Metrics
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.runtime.measure import CollectiveCalibration
 from dyncp.sim.replay import admit, draw_batches
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
 
 
 def main() -> None:
@@ -115,32 +115,18 @@ def main() -> None:
 
         def step_fn(ctx, tokens=tokens, losses=losses) -> None:
             packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-            labels = next_token_labels(packed, ctx.seqlens)
-            loss = (
-                model.loss_sum(
-                    ctx.shard(packed).to(device),
-                    ctx.shard(labels, pad_value=-100).to(device),
-                    ctx.positions().to(device),
-                    ctx.layout,
-                    kernel="auto",
-                )
-                * ctx.loss_scale
-            )
+            loss = microbatch_loss(model, ctx, packed, kernel="auto")
             loss.backward()
             losses.append(loss.detach())
 
         start = time.perf_counter()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         report = execute(plan, pool, step_fn, synchronize=sync)
-        for param in model.parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad)
+        reduce_gradients(model)  # SUM over the DP x CP axis
         optim.step()
         optim.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
-        dist.all_reduce(loss)
+        loss = reduce_loss(losses, device=device)
         busy = torch.tensor([report.busy_seconds], device=device)
         all_busy = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(all_busy, busy)

@@ -16,7 +16,7 @@ from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.measure import CollectiveCalibration, gather_reports, step_measurements
 from dyncp.service import plan_digest
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.distributed import run_gloo
 
 CFG = TinyConfig(vocab=64, dim=32, heads=2, kv_heads=1, layers=1, ffn=64)
@@ -28,12 +28,7 @@ def train_step(model: TinyDecoder, lengths, seed: int):
     tokens = [torch.randint(0, CFG.vocab, (int(s),), generator=gen) for s in lengths]
 
     def step_fn(ctx) -> None:
-        packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-        labels = next_token_labels(packed, ctx.seqlens)
-        loss = model.loss_sum(
-            ctx.shard(packed), ctx.shard(labels, pad_value=-100), ctx.positions(), ctx.layout
-        )
-        (loss * ctx.loss_scale).backward()
+        microbatch_loss(model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids])).backward()
 
     return step_fn
 

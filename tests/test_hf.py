@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -31,7 +30,13 @@ from dyncp.integrations.hf import (  # noqa: E402
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
 from dyncp.ring_attention import make_ring_layout  # noqa: E402
-from dyncp.runtime import GroupPool, MicroBatchContext, execute  # noqa: E402
+from dyncp.runtime import (  # noqa: E402
+    GroupPool,
+    MicroBatchContext,
+    execute,
+    reduce_gradients,
+    reduce_loss,
+)
 from dyncp.testing import next_token_labels  # noqa: E402
 from dyncp.testing.distributed import run_gloo  # noqa: E402
 from dyncp.testing.hf_models import FAMILIES, tiny_causal_lm, tiny_config  # noqa: E402
@@ -108,14 +113,8 @@ def _train_worker(rank: int, world: int, cases: list[tuple[str, str, int]]) -> l
             losses.append(loss.detach())
 
         report = execute(plan, pool, step_fn)
-        grads = {
-            n: p.grad if p.grad is not None else torch.zeros_like(p)
-            for n, p in model.named_parameters()
-        }
-        for g in grads.values():
-            dist.all_reduce(g)
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(loss)
+        grads = reduce_gradients(model)
+        loss = reduce_loss(losses, dtype=torch.float64)
         out.append((loss.item(), grads, sorted({c for _, c, _ in report.microbatches})))
     return out
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.ring_attention import make_ring_layout, zigzag_positions
-from dyncp.runtime import GroupPool, execute
-from dyncp.testing import next_token_labels
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
+from dyncp.testing import microbatch_loss, next_token_labels
 from dyncp.testing.distributed import run_gloo
 from dyncp.testing.hybrid_model import HybridConfig, HybridDecoder
 
@@ -74,20 +73,13 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list:
         losses = []
 
         def step_fn(ctx, model=model, tokens=tokens, losses=losses) -> None:
-            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-            labels = next_token_labels(packed, ctx.seqlens)
-            loss = model.loss_sum(ctx.shard(packed), ctx.shard(labels, pad_value=-100),
-                                  ctx.positions(), ctx.layout) * ctx.loss_scale  # fmt: skip
+            loss = microbatch_loss(model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids]))
             loss.backward()
             losses.append(loss.detach())
 
         execute(plan, pool, step_fn)
-        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-                 for n, p in model.named_parameters()}  # fmt: skip
-        for g in grads.values():
-            dist.all_reduce(g)
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(loss)
+        grads = reduce_gradients(model)
+        loss = reduce_loss(losses, dtype=torch.float64)
         out.append((loss.item(), grads))
     return out
 

@@ -17,8 +17,8 @@ from dyncp.cost_model import CostModel
 from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave
 from dyncp.planner import Planner
 from dyncp.ring_attention import make_ring_layout, zigzag_positions
-from dyncp.runtime import GroupPool, StepFailed, execute
-from dyncp.testing import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.runtime import GroupPool, StepFailed, execute, reduce_gradients, reduce_loss
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss, next_token_labels
 from dyncp.testing.distributed import SpawnError, run_gloo
 
 CFG = TinyConfig()
@@ -95,29 +95,13 @@ def _train_worker(rank: int, world: int, cases: list[tuple[str, int]]) -> list:
         losses = []
 
         def step_fn(ctx, model=model, tokens=tokens, losses=losses) -> None:
-            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
-            labels = next_token_labels(packed, ctx.seqlens)
-            loss = (
-                model.loss_sum(
-                    ctx.shard(packed),
-                    ctx.shard(labels, pad_value=-100),
-                    ctx.positions(),
-                    ctx.layout,
-                )
-                * ctx.loss_scale
-            )
+            loss = microbatch_loss(model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids]))
             loss.backward()
             losses.append(loss.detach())
 
         report = execute(plan, pool, step_fn)
-        grads = {
-            n: p.grad if p.grad is not None else torch.zeros_like(p)
-            for n, p in model.named_parameters()
-        }
-        for g in grads.values():
-            dist.all_reduce(g)
-        loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(loss)
+        grads = reduce_gradients(model)
+        loss = reduce_loss(losses, dtype=torch.float64)
         out.append(
             (
                 loss.item(),

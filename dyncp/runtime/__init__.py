@@ -9,6 +9,7 @@ from dyncp.runtime.executor import (
     label_tokens,
 )
 from dyncp.runtime.group_pool import GroupPool
+from dyncp.runtime.reduce import reduce_gradients, reduce_loss
 
 __all__ = [
     "GroupPool",
@@ -18,4 +19,6 @@ __all__ = [
     "StepFailed",
     "execute",
     "label_tokens",
+    "reduce_gradients",
+    "reduce_loss",
 ]

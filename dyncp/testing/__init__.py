@@ -1,5 +1,5 @@
 """Helpers for testing dyncp with real models on CPU (used by the tests and the examples)."""
 
-from dyncp.testing.tiny_model import TinyConfig, TinyDecoder, next_token_labels
+from dyncp.testing.tiny_model import TinyConfig, TinyDecoder, microbatch_loss, next_token_labels
 
-__all__ = ["TinyConfig", "TinyDecoder", "next_token_labels"]
+__all__ = ["TinyConfig", "TinyDecoder", "microbatch_loss", "next_token_labels"]

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dyncp.ring_attention import RingLayout, ring_attention
 
-__all__ = ["TinyConfig", "TinyDecoder", "next_token_labels"]
+if TYPE_CHECKING:
+    from dyncp.runtime import MicroBatchContext
+
+__all__ = ["TinyConfig", "TinyDecoder", "microbatch_loss", "next_token_labels"]
 
 IGNORE = -100
 
@@ -43,6 +47,30 @@ def next_token_labels(tokens: torch.Tensor, seqlens: Sequence[int]) -> torch.Ten
         labels[start : start + s - 1] = tokens[start + 1 : start + s]
         start += s
     return labels
+
+
+def microbatch_loss(
+    model: nn.Module, ctx: MicroBatchContext, packed: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """This rank's summed next-token loss of one micro-batch, times ``ctx.loss_scale``.
+
+    ``packed`` holds the micro-batch's sequences in ``ctx.seq_ids`` order, unpadded; labels are
+    shifted before sharding (the next token inside each sequence), tokens, labels and positions
+    sharded with the micro-batch's zigzag layout and moved to the model's device. ``model`` is
+    a ``TinyDecoder`` or any decoder with its ``loss_sum(tokens, labels, positions, layout,
+    **kwargs)``; ``kwargs`` go to it (e.g. ``kernel="auto"``). The twin of
+    ``dyncp.integrations.hf.causal_lm_loss`` for dyncp's test decoders.
+    """
+    device = next(model.parameters()).device
+    labels = next_token_labels(packed, ctx.seqlens)
+    loss = model.loss_sum(
+        ctx.shard(packed).to(device),
+        ctx.shard(labels, pad_value=IGNORE).to(device),
+        ctx.positions().to(device),
+        ctx.layout,
+        **kwargs,
+    )
+    return loss * ctx.loss_scale
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
