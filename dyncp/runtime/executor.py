@@ -124,12 +124,16 @@ class MicroBatchTiming:
 class RankReport:
     """Timings of one step on this rank (seconds)."""
 
-    microbatches: list[tuple[int, int, float]] = field(default_factory=list)  # (wave, cp, s)
     timings: list[MicroBatchTiming] = field(default_factory=list)
     wave_seconds: list[float] = field(default_factory=list)  # wall clock of each wave, sync incl.
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0  # waiting at wave boundaries for the slowest group
     step_seconds: float = 0.0
+
+    @property
+    def microbatches(self) -> list[tuple[int, int, float]]:
+        """``(wave, cp, seconds)`` of each micro-batch this rank ran, in order."""
+        return [(t.wave, t.cp, t.seconds) for t in self.timings]
 
 
 def _check(plan: StepPlan, pool: GroupPool) -> None:
@@ -235,7 +239,6 @@ def execute(
                 except Exception as exc:
                     _fail(board, pool, w, group.start, group.size, exc, time.perf_counter() - t0)
                 seconds = time.perf_counter() - t0
-                report.microbatches.append((w, group.size, seconds))
                 report.timings.append(
                     MicroBatchTiming(w, group.start, group.size, mb.seq_ids, seqlens, seconds)
                 )
