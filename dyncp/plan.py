@@ -7,7 +7,8 @@ size, and in what order. Everything else in dyncp either produces a plan (planne
 Vocabulary (see DESIGN.md)::
 
     rank        one position on the data-parallel x context-parallel axis, 0 .. world-1
-    group       an aligned block of ranks [start, start + size) running one ring; size = CP size
+    group       an aligned block of ranks [start, start + size); size = CP size; split into
+                heads (u ranks exchanging heads by all-to-all) x ring (size / u ranks in a ring)
     micro-batch the packed sequences one group runs in one forward+backward
     wave        groups that run concurrently; groups within a wave are disjoint, and group
                 membership may change only between waves (a synchronisation point)
@@ -15,7 +16,11 @@ Vocabulary (see DESIGN.md)::
 
 Memory: each sequence is zigzag-split into 2c chunks over a group of c ranks, so it is padded to a
 multiple of 2c (c > 1; a size-1 group needs no padding). A micro-batch fits when its padded tokens
-divided by c are at most ``capacity`` tokens per rank.
+divided by c are at most ``capacity`` tokens per rank. The head split does not change this: every
+rank of a group holds the same zigzag shard whatever u is.
+
+Plan JSON: ``schema_version`` 2 (groups carry ``heads``, the topology the allowed head sizes and
+the model's head counts); version 1 plans (rings only) are still read, with ``heads = 1``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ __all__ = [
     "plan_digest",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Plan JSON versions ``from_dict`` reads: 1 (rings only, before head parallelism) and 2.
+READABLE_VERSIONS = (1, 2)
 
 
 class PlanError(ValueError):
@@ -77,12 +84,13 @@ def plan_digest(plan: StepPlan) -> int:
     t = plan.topology
     ids = plan.sample_ids
     head = [SCHEMA_VERSION, t.world, t.ranks_per_node, t.capacity, len(t.group_sizes)]
-    head += [*t.group_sizes, len(plan.lengths), -1 if ids is None else len(ids), len(plan.waves)]
+    head += [*t.group_sizes, len(t.head_sizes), *t.head_sizes, t.query_heads, t.kv_heads]
+    head += [len(plan.lengths), -1 if ids is None else len(ids), len(plan.waves)]
     flat: list[int] = []
     for wave in plan.waves:
         flat.append(len(wave.groups))
         for g in wave.groups:
-            flat += (g.start, g.size, len(g.microbatches))
+            flat += (g.start, g.size, g.heads, len(g.microbatches))
             for mb in g.microbatches:
                 flat.append(len(mb.seq_ids))
                 flat += mb.seq_ids
@@ -109,12 +117,22 @@ class Topology:
             ``world`` is a multiple of it (whole nodes) or at most it (one node, partly used).
         capacity: tokens per rank one micro-batch may hold (after zigzag padding).
         group_sizes: allowed CP sizes; default every power of two up to ``world``.
+        head_sizes: allowed head-parallel degrees u of a group (u ranks exchange heads by
+            all-to-all, ``size // u`` form the ring); powers of two, 1 always included.
+            Default ``(1,)``: rings only.
+        query_heads, kv_heads: the model's attention heads; required (> 0) when a head size
+            above 1 is allowed, since u must divide the query heads, and the KV heads must be
+            divisible by u or divide it (KV heads fewer than u are replicated: rank j of a
+            head group holds KV head ``j // (u // kv_heads)``). 0: not given.
     """
 
     world: int
     ranks_per_node: int
     capacity: int
     group_sizes: tuple[int, ...] = ()
+    head_sizes: tuple[int, ...] = (1,)
+    query_heads: int = 0
+    kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("world", "ranks_per_node", "capacity"):
@@ -140,6 +158,37 @@ class Topology:
                 f"divides world={self.world}"
             )
         object.__setattr__(self, "group_sizes", sizes)
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        for name in ("query_heads", "kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Topology.{name} must be an integer >= 0, got {value!r}")
+        heads = tuple(sorted({1, *(int(u) for u in self.head_sizes)}))
+        bad = [u for u in heads if not _is_power_of_two(u) or u > self.max_group_size]
+        if bad:
+            raise ValueError(
+                f"Topology.head_sizes {bad} not allowed: each must be a power of two no larger "
+                f"than the largest group size {self.max_group_size}"
+            )
+        object.__setattr__(self, "head_sizes", heads)
+        if heads == (1,):
+            return
+        q, kv = self.query_heads, self.kv_heads
+        if q < 1 or kv < 1:
+            raise ValueError(
+                f"Topology.head_sizes {list(heads)} split heads, so query_heads and kv_heads "
+                f"must be given (> 0); got query_heads={q}, kv_heads={kv}"
+            )
+        if q % kv:
+            raise ValueError(f"Topology.kv_heads={kv} must divide query_heads={q}")
+        wrong = [u for u in heads if q % u or (kv % u and u % kv)]
+        if wrong:
+            raise ValueError(
+                f"Topology.head_sizes {wrong} do not fit the heads: each u must divide "
+                f"query_heads={q}, and kv_heads={kv} must be divisible by u or divide it"
+            )
 
     @property
     def max_group_size(self) -> int:
@@ -167,12 +216,19 @@ class Topology:
             for cp in self.group_sizes
         )
 
+    def splits(self, size: int) -> tuple[int, ...]:
+        """Head-parallel degrees u a group of ``size`` ranks may use (u divides size)."""
+        return tuple(u for u in self.head_sizes if size % u == 0)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "world": self.world,
             "ranks_per_node": self.ranks_per_node,
             "capacity": self.capacity,
             "group_sizes": list(self.group_sizes),
+            "head_sizes": list(self.head_sizes),
+            "query_heads": self.query_heads,
+            "kv_heads": self.kv_heads,
         }
 
 
@@ -185,15 +241,37 @@ class MicroBatch:
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """Ranks ``[start, start + size)`` running ``microbatches`` one after another at CP = size."""
+    """Ranks ``[start, start + size)`` running ``microbatches`` one after another at CP = size.
+
+    ``heads`` = u splits the group into u x r (``ring`` = size // u): position
+    ``start + i*u + j`` is ring index i and head index j; the u contiguous ranks of ring index i
+    exchange heads by all-to-all, the r ranks of head index j (stride u) form a ring. u = 1 is a
+    plain ring, u = size all-to-all only. Every rank holds the same tokens whatever u is (the
+    zigzag at CP = size), so memory does not depend on the split.
+    """
 
     start: int
     size: int
     microbatches: tuple[MicroBatch, ...]
+    heads: int = 1
 
     @property
     def ranks(self) -> range:
         return range(self.start, self.start + self.size)
+
+    @property
+    def ring(self) -> int:
+        """Ranks in each ring of the group (size // heads)."""
+        return self.size // self.heads
+
+    @property
+    def layout_name(self) -> str:
+        """``"ring8"``, ``"a2a8"`` or ``"a2a2xring4"``: the split as reports and Gantts show it."""
+        if self.heads == 1:
+            return f"ring{self.size}"
+        if self.heads == self.size:
+            return f"a2a{self.size}"
+        return f"a2a{self.heads}xring{self.ring}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +378,14 @@ class StepPlan:
                 f"at {group.start}",
                 clash,
             )
+        if group.heads not in topo.splits(group.size):
+            raise PlanError(
+                "head-split",
+                f"wave {w}: group at rank {group.start} (size {group.size}) splits heads "
+                f"{group.heads} ways; allowed head sizes dividing {group.size} are "
+                f"{list(topo.splits(group.size))}",
+                (group.start,),
+            )
         for r in group.ranks:
             used[r] = group.start
         if not group.microbatches:
@@ -351,6 +437,7 @@ class StepPlan:
                     {
                         "start": g.start,
                         "size": g.size,
+                        "heads": g.heads,
                         "microbatches": [[int(i) for i in mb.seq_ids] for mb in g.microbatches],
                     }
                     for g in wave.groups
@@ -371,9 +458,11 @@ class StepPlan:
         if not isinstance(data, dict):
             raise PlanError("decode", f"plan JSON must be an object, got {_kind(data)}")
         version = data.get("schema_version")
-        if type(version) is not int or version != SCHEMA_VERSION:
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise PlanError(
-                "decode", f"plan schema_version {version!r} not supported (expected 1)"
+                "decode",
+                f"plan schema_version {version!r} not supported (readable: "
+                f"{', '.join(map(str, READABLE_VERSIONS))})",
             )
         if _depth(data) > MAX_JSON_DEPTH:
             raise PlanError("decode", f"plan JSON nests deeper than {MAX_JSON_DEPTH} levels")
@@ -387,13 +476,14 @@ class StepPlan:
                     _int(c, "topology.group_sizes[]")
                     for c in _list(t.get("group_sizes", []), "topology.group_sizes")
                 ),
+                *_head_fields(t, version),
             )
         except PlanError:
             raise
         except ValueError as exc:
             raise PlanError("decode", str(exc)) from None
         waves = tuple(
-            Wave(tuple(_group(g, w) for g in _list(wave, f"waves[{w}]")))
+            Wave(tuple(_group(g, w, version) for g in _list(wave, f"waves[{w}]")))
             for w, wave in enumerate(_list(_field(data, "waves", list, "plan"), "waves"))
         )
         sample_ids = data.get("sample_ids")
@@ -492,10 +582,25 @@ def _int(value: object, where: str) -> int:
     return value
 
 
-def _group(g: object, w: int) -> Group:
+def _head_fields(t: dict, version: int) -> tuple[tuple[int, ...], int, int]:
+    """Topology head fields: absent from version 1 plans (rings only)."""
+    if version == 1:
+        return (1,), 0, 0
+    return (
+        tuple(
+            _int(u, "topology.head_sizes[]")
+            for u in _list(_field(t, "head_sizes", list, "topology"), "topology.head_sizes")
+        ),
+        _int(_field(t, "query_heads", int, "topology"), "topology.query_heads"),
+        _int(_field(t, "kv_heads", int, "topology"), "topology.kv_heads"),
+    )
+
+
+def _group(g: object, w: int, version: int) -> Group:
     where = f"waves[{w}][]"
     if not isinstance(g, dict):
         raise PlanError("decode", f"plan field {where} must be an object, got {_kind(g)}")
+    heads = 1 if version == 1 else _int(_field(g, "heads", int, "group"), f"{where}.heads")
     return Group(
         _int(_field(g, "start", int, "group"), f"{where}.start"),
         _int(_field(g, "size", int, "group"), f"{where}.size"),
@@ -503,4 +608,5 @@ def _group(g: object, w: int) -> Group:
             MicroBatch(tuple(_int(i, f"{where}.microbatches[][]") for i in _list(mb, where)))
             for mb in _list(_field(g, "microbatches", list, "group"), f"{where}.microbatches")
         ),
+        heads,
     )

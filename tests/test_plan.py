@@ -20,6 +20,7 @@ from dyncp.plan import (
     Topology,
     Wave,
     padded_length,
+    plan_digest,
 )
 
 # ------------------------------------------------------------------------------------ helpers
@@ -260,6 +261,9 @@ def test_topology_to_dict() -> None:
         "ranks_per_node": 8,
         "capacity": 4096,
         "group_sizes": [1, 4, 16],
+        "head_sizes": [1],
+        "query_heads": 0,
+        "kv_heads": 0,
     }
     assert Topology(**topo.to_dict()) == topo
 
@@ -542,7 +546,12 @@ def test_dict_round_trip_and_types() -> None:
     assert back == plan
     assert isinstance(back.lengths, tuple) and isinstance(back.waves, tuple)
     assert isinstance(back.waves[0].groups[0].microbatches[0].seq_ids, tuple)
-    assert data["waves"][0][1] == {"start": 4, "size": 1, "microbatches": [[1], [2, 3, 4]]}
+    assert data["waves"][0][1] == {
+        "start": 4,
+        "size": 1,
+        "heads": 1,
+        "microbatches": [[1], [2, 3, 4]],
+    }
 
 
 def test_round_trip_without_sample_ids() -> None:
@@ -564,7 +573,7 @@ def test_optional_fields_default() -> None:
     assert back.waves == valid_plan().waves
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, "1"])
+@pytest.mark.parametrize("version", [None, 0, 3, "1", True])
 def test_bad_schema_version(version: object) -> None:
     data = valid_plan().to_dict()
     if version is None:
@@ -916,3 +925,101 @@ def test_digest_refuses_values_beyond_int64() -> None:
 
     with pytest.raises(PlanError, match="int64"):
         plan_digest(dataclasses.replace(valid_plan(), lengths=(2**70,) * 8))
+
+
+# ------------------------------------------------------------------------------------ head splits
+
+HEADS = Topology(
+    world=8, ranks_per_node=8, capacity=1000, head_sizes=(1, 2, 4), query_heads=8, kv_heads=2
+)
+
+
+def split_plan(heads: tuple[int, int, int]) -> StepPlan:
+    """Three groups (sizes 4, 2, 2) with the given head splits, one sequence each."""
+    waves = (
+        Wave(
+            (
+                Group(0, 4, (MicroBatch((0,)),), heads[0]),
+                Group(4, 2, (MicroBatch((1,)),), heads[1]),
+                Group(6, 2, (MicroBatch((2,)),), heads[2]),
+            )
+        ),
+    )
+    return StepPlan(topology=HEADS, lengths=(3000, 1500, 1200), waves=waves)
+
+
+def test_head_splits_validate_and_round_trip() -> None:
+    plan = split_plan((2, 2, 1))
+    plan.validate()
+    back = StepPlan.from_json(plan.to_json())
+    assert back.waves == plan.waves and back.topology == plan.topology
+    assert [g.heads for g in back.waves[0].groups] == [2, 2, 1]
+    assert [g.layout_name for g in back.waves[0].groups] == ["a2a2xring2", "a2a2", "ring2"]
+    assert plan_digest(back) == plan_digest(plan)
+    # The split is part of what executes: another split is another digest.
+    assert plan_digest(split_plan((4, 2, 1))) != plan_digest(plan)
+
+
+@pytest.mark.parametrize(
+    ("heads", "message"),
+    [((8, 1, 1), "splits heads 8 ways"), ((3, 1, 1), "splits heads 3 ways"),
+     ((1, 4, 1), "size 2\\) splits heads 4 ways")],
+)  # fmt: skip
+def test_head_split_rule(heads: tuple[int, int, int], message: str) -> None:
+    with pytest.raises(PlanError, match=message) as info:
+        split_plan(heads).validate()
+    assert info.value.rule == "head-split"
+
+
+def test_rings_only_topology_refuses_any_split() -> None:
+    plan = split_plan((2, 1, 1))
+    plan.topology = TOPO if TOPO.world == 8 else Topology(8, 8, 1000)
+    with pytest.raises(PlanError, match="allowed head sizes dividing 4 are \\[1\\]"):
+        plan.validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"head_sizes": (1, 2)}, "query_heads and kv_heads must be given"),
+        ({"head_sizes": (1, 3), "query_heads": 6, "kv_heads": 3}, "power of two"),
+        ({"head_sizes": (16,), "query_heads": 16, "kv_heads": 16}, "largest group size 8"),
+        ({"head_sizes": (4,), "query_heads": 6, "kv_heads": 2}, "do not fit the heads"),
+        ({"head_sizes": (4,), "query_heads": 12, "kv_heads": 6}, "do not fit the heads"),
+        ({"head_sizes": (2,), "query_heads": 8, "kv_heads": 3}, "must divide query_heads"),
+        ({"query_heads": -1}, "integer >= 0"),
+    ],
+)
+def test_topology_head_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Topology(world=8, ranks_per_node=8, capacity=1000, **kwargs)
+
+
+def test_topology_kv_heads_fewer_than_u_are_replicated() -> None:
+    topo = Topology(8, 8, 100, head_sizes=(8, 2), query_heads=16, kv_heads=2)
+    assert topo.head_sizes == (1, 2, 8)
+    assert topo.splits(4) == (1, 2) and topo.splits(8) == (1, 2, 8) and topo.splits(1) == (1,)
+
+
+def test_version_1_plans_still_read() -> None:
+    data = valid_plan().to_dict()
+    data["schema_version"] = 1
+    for key in ("head_sizes", "query_heads", "kv_heads"):
+        del data["topology"][key]
+    for wave_groups in data["waves"]:
+        for g in wave_groups:
+            del g["heads"]
+    back = StepPlan.from_dict(data)
+    assert back.waves == valid_plan().waves and back.topology == valid_plan().topology
+    assert all(g.heads == 1 for w in back.waves for g in w.groups)
+
+
+@pytest.mark.parametrize("field", ["heads", "head_sizes"])
+def test_version_2_needs_head_fields(field: str) -> None:
+    data = valid_plan().to_dict()
+    if field == "heads":
+        del data["waves"][0][0]["heads"]
+    else:
+        del data["topology"]["head_sizes"]
+    with pytest.raises(PlanError, match=f"missing field '{field}'"):
+        StepPlan.from_dict(data)
