@@ -149,23 +149,36 @@ class LayerMixCostModel(CostModel):
         return out
 
     # ------------------------------------------------------------------------------ protocol
-    def microbatch_seconds(self, cp: int, lengths: Sequence[int] | np.ndarray) -> float:
+    def _ring_only(self, cp: int, heads: int) -> None:
+        """Refuse a head split (``head_split`` names why): the mix is priced for rings only."""
+        if heads != 1:
+            self.head_split(cp, heads)
+
+    def microbatch_seconds(
+        self, cp: int, lengths: Sequence[int] | np.ndarray, *, heads: int = 1
+    ) -> float:
+        self._ring_only(cp, heads)
         p = self.priced(cp, np.asarray(lengths)).astype(np.float64)
         if p.size == 0:
             return 0.0
         extra = self._extra_packs(cp, p, np.array([0]))[0]
         return super().microbatch_seconds(cp, lengths) + float(extra)
 
-    def packs_seconds(self, cp: int, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    def packs_seconds(
+        self, cp: int, lengths: np.ndarray, starts: np.ndarray, *, heads: int = 1
+    ) -> np.ndarray:
+        self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)
         return super().packs_seconds(cp, lengths, starts) + self._extra_packs(cp, p, starts)
 
-    def alone_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def alone_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
+        self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)
         extra = self._extra_packs(cp, p, np.arange(len(p))) if len(p) else np.zeros(0)
         return super().alone_seconds(cp, lengths) + extra
 
-    def marginal_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def marginal_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
+        self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)
         out = super().marginal_seconds(cp, lengths)
         for window, layers in self.windows:
@@ -175,8 +188,10 @@ class LayerMixCostModel(CostModel):
                 block = hops * self.kvb * p / cp / self.link(cp)[1]
                 back = max(self.bwd_bytes - 1.0, 0.0) * block
                 if self.overlap:
-                    work = work + np.maximum(block - work * self.fwd_fraction, 0.0) + np.maximum(
-                        back - work * (1 - self.fwd_fraction), 0.0
+                    work = (
+                        work
+                        + np.maximum(block - work * self.fwd_fraction, 0.0)
+                        + np.maximum(back - work * (1 - self.fwd_fraction), 0.0)
                     )
                 else:
                     work = work + block + back
@@ -184,25 +199,28 @@ class LayerMixCostModel(CostModel):
         _, exchange = self._ssm_exchange_bound(cp, p)
         return out + self.ssm_layers * (self.ssm_per_token * p / cp + exchange)
 
-    def work_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def work_rank_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
+        self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)
         out = super().work_rank_seconds(cp, lengths)
         for window, layers in self.windows:
             out = out + cp * layers * self.window_work(cp, p, window)
         return out + cp * self.ssm_layers * self.ssm_per_token * p / cp
 
-    def fixed_seconds(self, cp: int) -> float:
+    def fixed_seconds(self, cp: int, *, heads: int = 1) -> float:
+        self._ring_only(cp, heads)
         window_steps = sum(layers for _, layers in self.windows) * self.k
         exchange, _ = self._ssm_exchange_bound(cp, np.zeros(0))
         return super().fixed_seconds(cp) + window_steps + self.ssm_layers * exchange
 
-    def bound_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def bound_rank_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
         """Window layers cost at least their work and one step; SSM exchanges at least the
         per-sequence minimum of the two ways (exact when only state passing is offered).
 
         ``CostModel.bound_rank_seconds`` starts from ``self.work_rank_seconds``, which already
         holds the window and scan work; only the SSM all-gather bytes are added here.
         """
+        self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)
         out = super().bound_rank_seconds(cp, lengths)
         _, exchange = self._ssm_exchange_bound(cp, p)

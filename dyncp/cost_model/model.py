@@ -24,6 +24,25 @@ each sequence for 1/c of the heads plus one exchange that is never hidden::
     attention    layers * (sum_i A(p_i) / c + k)
     a2a comm     layers * (latency + kv_bytes_per_token * sum(p_i) / (c * bandwidth))   c > 1
 
+A hybrid group (every pricing method's ``heads=u`` > 1; ``dyncp.plan.Group.heads``) of
+c = u x r ranks keeps the zigzag layout at c (memory unchanged). Per layer its head groups of u
+contiguous ranks exchange heads by all-to-all (scatter heads, gather tokens: each rank then holds
+its ring position's shard for 1/u of the heads), rings of r ranks (stride u) run attention, and
+the output goes back the same way::
+
+    linear       lin * sum(p_i) / c                                       unchanged
+    attention    layers * r * (sum_i A(p_i / r) / u + k)                  r steps of p_i/r tokens
+    ring comm    the ring terms above with r steps and a block of         r > 1, link(c): the
+                 kv_bytes_per_token * (held / kv) * sum(p_i) / r          ring's hops span c
+    a2a comm     layers * (4 latency + 2 b sum(p_i) / (c bandwidth))      never overlapped
+
+``held = max(kv, u) / u`` KV heads per rank (kv < u: replicated); ``b = (2 query heads +
+2 max(kv, u)) x head_dim x dtype_bytes`` is a token's q, k, v and output (forward; the backward
+moves their gradients, as many bytes) and (latency, bandwidth) is ``all_to_all_link(u)``: four
+exchanges a layer (q, k, v fused, and the output, each way), each rank holding b/2 x
+sum(p_i)/c bytes on average. r = 1 prices attention A(p_i)/u + k, with no ring. Only ring
+profiles of full attention split (``head_split``).
+
 ``p_i`` is s_i padded as the profile says (``padding.multiple_per_rank``; memory always uses the
 plan contract's zigzag padding). The protocol the planner, bound and simulator rely on, including
 the additive lower-bound split ``fixed_seconds`` + ``bound_rank_seconds``, is in
@@ -35,13 +54,32 @@ Planner, cost model and simulator import no torch; everything here is numpy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dyncp.cost_model.schema import AttentionTable, Profile, load_profile
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "HeadSplit"]
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """Per-layer constants of a group of ``ranks`` = ``heads`` x ``ring`` (CostModel.head_split).
+
+    ``ring_seconds_per_token``: one ring step's K/V transfer per priced token of the pack (the
+    block of the ring position's shard, the heads this rank holds); ``exchange_*``: the four
+    all-to-alls of a layer (q, k, v and the output, forward and backward), never overlapped.
+    """
+
+    ranks: int
+    heads: int
+    ring: int
+    ring_latency: float
+    ring_seconds_per_token: float
+    exchange_latency: float
+    exchange_seconds_per_token: float
 
 
 class CostModel:
@@ -79,6 +117,8 @@ class CostModel:
         self.overlap = comm.overlap
         self.all_to_all = comm.kind == "all_to_all"
         self._links = {link.group_size: link for link in comm.links}
+        self._a2a_links = {link.group_size: link for link in comm.all_to_all_links}
+        self._splits: dict[tuple[int, int], HeadSplit] = {}
         self.pad_multiple = profile.padding.multiple_per_rank
         self.microbatch_overhead = profile.overheads.microbatch_seconds
         self.wave_overhead = profile.overheads.wave_seconds
@@ -177,21 +217,187 @@ class CostModel:
         block = self.kvb * tokens / cp / bandwidth
         if self.all_to_all:
             return total + self.layers * (step + latency + block)
+        return total + self.layers * self._ring_layer(cp, step, latency, block)
+
+    def _ring_layer(
+        self, steps: int, step: np.ndarray, latency: float, block: np.ndarray
+    ) -> np.ndarray:
+        """One layer of a ring of ``steps`` ranks: compute ``step`` and move ``block`` seconds
+        of K/V per step (fwd; dK/dV too in the bwd), then send dK/dV home."""
         comm_f = latency + block
         comm_b = latency + self.bwd_bytes * block
         home = latency + max(self.bwd_bytes - 1.0, 0.0) * block  # dK/dV back to their owner
         if self.overlap:
             comp_f = step * self.fwd_fraction
             comp_b = step - comp_f
-            ring = (cp - 1) * (np.maximum(comp_f, comm_f) + np.maximum(comp_b, comm_b))
-            layer = step + ring + home
-        else:
-            layer = cp * step + (cp - 1) * (comm_f + comm_b) + home
-        return total + self.layers * layer
+            ring = (steps - 1) * (np.maximum(comp_f, comm_f) + np.maximum(comp_b, comm_b))
+            return step + ring + home
+        return steps * step + (steps - 1) * (comm_f + comm_b) + home
+
+    def _ring_exposed(self, att: np.ndarray, block: np.ndarray) -> np.ndarray:
+        """Per sequence and ring step: transfer seconds its own compute ``att`` cannot hide."""
+        if self.overlap:
+            return np.maximum(block - att * self.fwd_fraction, 0.0) + np.maximum(
+                self.bwd_bytes * block - att * (1 - self.fwd_fraction), 0.0
+            )
+        return (1 + self.bwd_bytes) * block
+
+    def _ring_bound(self, steps: int, block: np.ndarray) -> np.ndarray:
+        """Per sequence: ring transfer seconds a layer pays whatever the compute (bound_rank)."""
+        home = max(self.bwd_bytes - 1.0, 0.0) * block
+        if self.overlap:
+            return home
+        return (steps - 1) * (1.0 + self.bwd_bytes) * block + home
+
+    # ------------------------------------------------------------------------------ head split
+    def all_to_all_link(self, heads: int) -> tuple[float, float]:
+        """(latency, bandwidth) of an all-to-all over ``heads`` contiguous ranks: one in which
+        every rank holds B bytes takes ``latency + B / bandwidth``.
+
+        From ``communication.all_to_all_links`` when the profile lists them (that size, else the
+        next larger listed: never an optimistic guess); else derived from the ring link of a
+        group of ``heads`` ranks, ``link(heads)``, with bandwidth x heads / (heads - 1): each
+        rank keeps 1/heads of its bytes and sends the rest at its ring link's rate, all ranks at
+        once (a full-bisection switch such as NVSwitch inside a node).
+        """
+        if heads < 2:
+            raise ValueError(f"an all-to-all needs at least 2 ranks, got {heads}")
+        if self._a2a_links:
+            size = next((s for s in sorted(self._a2a_links) if s >= heads), None)
+            if size is None:
+                raise ValueError(
+                    f"profile {self.name!r} lists all-to-all links for group sizes "
+                    f"{sorted(self._a2a_links)}; none covers a head group of {heads} ranks"
+                )
+            link = self._a2a_links[size]
+            return link.latency_seconds, link.bandwidth_bytes_per_second
+        latency, bandwidth = self.link(heads)
+        return latency, bandwidth * heads / (heads - 1)
+
+    def head_split(self, cp: int, heads: int) -> HeadSplit:
+        """The constants of a group of ``cp`` ranks split into ``heads`` x ``cp // heads``.
+
+        Raises ValueError naming the values when the split is not one this profile prices:
+        ``heads`` must divide ``cp`` and the model's query heads, and the KV heads must be a
+        multiple of ``heads`` or divide it (replicated); the profile must be a ring profile
+        of full attention (an all-to-all profile or a layer mix is priced at heads = 1 only).
+        """
+        key = (cp, heads)
+        if key in self._splits:
+            return self._splits[key]
+        if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+            raise ValueError(f"heads must be a positive integer, got {heads!r}")
+        if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
+            raise ValueError(f"the group size must be a positive integer, got {cp!r}")
+        if cp % heads:
+            raise ValueError(f"heads {heads} must divide the group size {cp}")
+        if self.all_to_all:
+            raise ValueError(
+                f"profile {self.name!r} has communication.kind 'all_to_all' (every group "
+                f"exchanges heads already); heads {heads} > 1 is priced for ring profiles"
+            )
+        if self.profile.layer_mix is not None:
+            raise ValueError(
+                f"profile {self.name!r} has a layer_mix; heads {heads} > 1 is priced for ring "
+                "profiles of full attention only"
+            )
+        shape = self.profile.model
+        query, kv = shape.num_heads, shape.num_kv_heads
+        if query % heads:
+            raise ValueError(f"heads {heads} must divide the model's {query} query heads")
+        if kv % heads and heads % kv:
+            raise ValueError(
+                f"heads {heads} and the model's {kv} KV heads: the KV heads must be a multiple "
+                "of heads, or divide heads (each then replicated on heads / KV heads ranks)"
+            )
+        ring = cp // heads
+        held = max(kv, heads)  # KV heads in the exchange: replicated up to one per rank
+        bytes_per_token = (2 * query + 2 * held) * shape.head_dim * shape.dtype_bytes
+        a2a_latency, a2a_bandwidth = self.all_to_all_link(heads)
+        ring_latency, ring_seconds = 0.0, 0.0
+        if ring > 1:
+            ring_latency, bandwidth = self.link(cp)  # the ring's hops span the whole group
+            ring_seconds = self.kvb * (held / heads / kv) / ring / bandwidth
+        split = HeadSplit(
+            ranks=cp,
+            heads=heads,
+            ring=ring,
+            ring_latency=ring_latency,
+            ring_seconds_per_token=ring_seconds,
+            exchange_latency=4.0 * a2a_latency,
+            exchange_seconds_per_token=2.0 * bytes_per_token / cp / a2a_bandwidth,
+        )
+        self._splits[key] = split
+        return split
+
+    def _split_attention(self, s: HeadSplit, p: np.ndarray) -> np.ndarray:
+        """Per sequence: one ring step's block of p/r tokens for 1/u of the heads."""
+        return self.attention_seconds(p / s.ring) / s.heads
+
+    def _split_seconds(
+        self, s: HeadSplit, tokens: np.ndarray, step_attention: np.ndarray
+    ) -> np.ndarray:
+        """Micro-batch seconds of a head split given priced tokens and summed attention."""
+        step = step_attention + self.k
+        total = self.lin * tokens / s.ranks + self.microbatch_overhead
+        exchange = s.exchange_latency + s.exchange_seconds_per_token * tokens
+        if s.ring == 1:
+            return total + self.layers * (step + exchange)
+        block = s.ring_seconds_per_token * tokens
+        layer = self._ring_layer(s.ring, step, s.ring_latency, block)
+        return total + self.layers * (layer + exchange)
+
+    def _split_packs(
+        self, cp: int, heads: int, lengths: np.ndarray, starts: np.ndarray
+    ) -> np.ndarray:
+        s = self.head_split(cp, heads)
+        p = self.priced(cp, lengths).astype(np.float64)
+        tokens = np.add.reduceat(p, starts)
+        step_att = np.add.reduceat(self._split_attention(s, p), starts)
+        return self._split_seconds(s, tokens, step_att)
+
+    def _split_marginal(self, cp: int, heads: int, lengths: np.ndarray) -> np.ndarray:
+        s = self.head_split(cp, heads)
+        p = self.priced(cp, lengths).astype(np.float64)
+        att = self._split_attention(s, p)
+        out = self.lin * p / cp + self.layers * (s.ring * att + s.exchange_seconds_per_token * p)
+        if s.ring > 1:
+            block = s.ring_seconds_per_token * p
+            out = out + self.layers * (s.ring - 1) * self._ring_exposed(att, block)
+        return out
+
+    def _split_work(self, cp: int, heads: int, lengths: np.ndarray) -> np.ndarray:
+        s = self.head_split(cp, heads)
+        p = self.priced(cp, lengths).astype(np.float64)
+        return self.lin * p + self.layers * cp * s.ring * self._split_attention(s, p)
+
+    def _split_fixed(self, cp: int, heads: int) -> float:
+        s = self.head_split(cp, heads)
+        fixed = s.ring * self.k + s.exchange_latency
+        if s.ring > 1:
+            fixed += s.ring_latency if self.overlap else (2 * s.ring - 1) * s.ring_latency
+        return self.microbatch_overhead + self.layers * fixed
+
+    def _split_bound(self, cp: int, heads: int, lengths: np.ndarray) -> np.ndarray:
+        s = self.head_split(cp, heads)
+        p = self.priced(cp, lengths).astype(np.float64)
+        per_rank = s.exchange_seconds_per_token * p
+        if s.ring > 1:
+            per_rank = per_rank + self._ring_bound(s.ring, s.ring_seconds_per_token * p)
+        return self._split_work(cp, heads, lengths) + cp * self.layers * per_rank
 
     # ------------------------------------------------------------------------------ public API
-    def microbatch_seconds(self, cp: int, lengths: Sequence[int] | np.ndarray) -> float:
-        """Predicted seconds of one forward+backward of ``lengths`` packed at CP size ``cp``."""
+    def microbatch_seconds(
+        self, cp: int, lengths: Sequence[int] | np.ndarray, *, heads: int = 1
+    ) -> float:
+        """Predicted seconds of one forward+backward of ``lengths`` packed at CP size ``cp``
+        (split into ``heads`` x ``cp // heads`` when ``heads`` > 1)."""
+        if heads != 1:
+            arr = np.asarray(lengths)
+            if arr.size == 0:
+                self.head_split(cp, heads)
+                return 0.0
+            return float(self._split_packs(cp, heads, arr, np.array([0]))[0])
         p = self.priced(cp, np.asarray(lengths))
         if p.size == 0:
             return 0.0
@@ -199,34 +405,47 @@ class CostModel:
         step_att = np.float64(self._sequence_attention(cp, p).sum())
         return float(self._seconds(cp, tokens, step_att))
 
-    def packs_seconds(self, cp: int, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    def packs_seconds(
+        self, cp: int, lengths: np.ndarray, starts: np.ndarray, *, heads: int = 1
+    ) -> np.ndarray:
         """Seconds of many micro-batches at CP ``cp`` at once (vectorised microbatch_seconds).
 
         ``lengths`` concatenates the packs; ``starts`` holds each pack's first index (non-empty
         packs, increasing).
         """
+        if heads != 1:
+            return self._split_packs(cp, heads, lengths, starts)
         p = self.priced(cp, lengths).astype(np.float64)
         tokens = np.add.reduceat(p, starts)
         step_att = np.add.reduceat(self._sequence_attention(cp, p), starts)
         return self._seconds(cp, tokens, step_att)
 
     def memory_tokens(self, cp: int, lengths: Sequence[int] | np.ndarray) -> int:
-        """Tokens per rank (padding included) of ``lengths`` packed at CP size ``cp``."""
+        """Tokens per rank (padding included) of ``lengths`` packed at CP size ``cp`` (whatever
+        the head split: every rank keeps its zigzag shard at ``cp``)."""
         p = self.padded(cp, np.asarray(lengths))
         return int(-(-int(p.sum()) // cp))
 
-    def alone_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def alone_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
         """Seconds of each sequence as its own micro-batch at CP size ``cp`` (vectorised)."""
+        if heads != 1:
+            arr = np.asarray(lengths)
+            if arr.size == 0:
+                self.head_split(cp, heads)
+                return np.zeros(0)
+            return self._split_packs(cp, heads, arr, np.arange(arr.size))
         p = self.priced(cp, lengths).astype(np.float64)
         return self._seconds(cp, p, self._sequence_attention(cp, p))
 
-    def marginal_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def marginal_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
         """Additive estimate of what each sequence adds to a micro-batch at CP ``cp``.
 
         Linear and attention work plus communication that its own compute cannot hide; the
         per-micro-batch and per-step constants are excluded (they are shared by the pack).
         Used by planners for balancing; plans are always priced with microbatch_seconds.
         """
+        if heads != 1:
+            return self._split_marginal(cp, heads, lengths)
         p = self.priced(cp, lengths).astype(np.float64)
         att = self._sequence_attention(cp, p)
         if self.all_to_all:
@@ -238,33 +457,31 @@ class CostModel:
         if cp > 1:
             _, bandwidth = self.link(cp)
             block = self.kvb * p / cp / bandwidth
-            if self.overlap:
-                exposed = np.maximum(block - att * self.fwd_fraction, 0.0) + np.maximum(
-                    self.bwd_bytes * block - att * (1 - self.fwd_fraction), 0.0
-                )
-            else:
-                exposed = (1 + self.bwd_bytes) * block
-            out = out + self.layers * (cp - 1) * exposed
+            out = out + self.layers * (cp - 1) * self._ring_exposed(att, block)
         return out
 
-    def work_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def work_rank_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
         """A lower bound on the rank-seconds each sequence costs in any micro-batch at CP ``cp``.
 
         Linear plus attention work only (no communication, no shared constants), times cp ranks.
         """
+        if heads != 1:
+            return self._split_work(cp, heads, lengths)
         p = self.priced(cp, lengths).astype(np.float64)
         steps = 1 if self.all_to_all else cp
         return self.lin * p + self.layers * cp * steps * self._sequence_attention(cp, p)
 
-    def fixed_seconds(self, cp: int) -> float:
+    def fixed_seconds(self, cp: int, *, heads: int = 1) -> float:
         """Seconds every micro-batch at CP size ``cp`` pays whatever it holds (see below)."""
+        if heads != 1:
+            return self._split_fixed(cp, heads)
         fixed = self.k if (cp == 1 or self.all_to_all) else cp * self.k
         if cp > 1:
             latency, _ = self.link(cp)
             fixed += latency if (self.all_to_all or self.overlap) else (2 * cp - 1) * latency
         return self.microbatch_overhead + self.layers * fixed
 
-    def bound_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+    def bound_rank_seconds(self, cp: int, lengths: np.ndarray, *, heads: int = 1) -> np.ndarray:
         """Additive lower bound of each sequence's rank-seconds in any micro-batch at CP ``cp``.
 
         For every pack S at size c: ``microbatch_seconds(c, S) >= fixed_seconds(c) +
@@ -272,19 +489,15 @@ class CostModel:
         overlapped (all-to-all, or a ring without overlap: every term is then a sum over
         sequences plus constants). With overlap a ring step costs max(compute, transfer) >=
         compute, so the bound keeps the compute of all c steps, the dK/dV return hop and the
-        latencies (the ``home`` hop is never hidden).
+        latencies (the ``home`` hop is never hidden). The same holds for every head split
+        (``heads`` > 1: its ring has cp // heads steps; the head exchange is never hidden).
         """
+        if heads != 1:
+            return self._split_bound(cp, heads, lengths)
         p = self.priced(cp, lengths).astype(np.float64)
         out = self.work_rank_seconds(cp, lengths)
         if cp == 1:
             return out
         block = self.kvb * p / cp / self.link(cp)[1]
-        if self.all_to_all:
-            per_rank = block
-        elif self.overlap:
-            per_rank = max(self.bwd_bytes - 1.0, 0.0) * block
-        else:
-            per_rank = (cp - 1) * (1.0 + self.bwd_bytes) * block + max(
-                self.bwd_bytes - 1.0, 0.0
-            ) * block
+        per_rank = block if self.all_to_all else self._ring_bound(cp, block)
         return out + cp * self.layers * per_rank

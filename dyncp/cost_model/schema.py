@@ -23,6 +23,16 @@ per group size, so a measured table (a bandwidth per SP size, the cliff wherever
 replaces the two-link ``intra_node`` / ``inter_node`` default. A ring overlaps its transfers with
 compute when ``overlap`` is true; an all-to-all is always added without overlap.
 
+Head exchange of hybrid groups (a ring profile's group of c = u x r ranks whose u-rank head
+groups exchange heads by all-to-all): ``communication.all_to_all_links`` optionally lists, per
+head-group size u, the (latency, bandwidth) of an all-to-all over u ranks in which each rank holds
+B bytes: ``latency + B / bandwidth``. A size not listed takes the next larger listed one (never an
+optimistic guess); with no list at all it is derived from the ring link of u ranks,
+``link(u)``, with bandwidth x u / (u - 1): each rank keeps 1/u of its bytes and sends the other
+(u - 1)/u over a link as fast as its ring step's, all ranks at once (a full-bisection switch,
+NVSwitch inside a node). A profile without the field loads and prices exactly as before, and
+``to_json`` leaves the field out while it is empty.
+
 Padding: ``padding.multiple_per_rank`` (default 2: zigzag, a multiple of 2c) sets how each
 sequence is padded when the model *prices* a micro-batch at c > 1; 0 prices unpadded tokens, as
 published analytic models do. Memory is the plan contract's rule (``dyncp.plan.padded_length``)
@@ -200,12 +210,25 @@ class Communication(_Strict):
         default=[],
         description="per group size; when given, used instead of intra_node / inter_node",
     )
+    all_to_all_links: list[GroupLink] = Field(
+        default=[],
+        description="per head-group size u: an all-to-all over u ranks in which each rank holds "
+        "B bytes takes latency + B / bandwidth (see CostModel.all_to_all_link)",
+    )
 
     @model_validator(mode="after")
     def _check_links(self) -> Communication:
-        sizes = [link.group_size for link in self.links]
-        if any(b <= a for a, b in zip(sizes, sizes[1:])):
-            raise ValueError("communication.links must be sorted by strictly increasing group_size")
+        for field in ("links", "all_to_all_links"):
+            sizes = [link.group_size for link in getattr(self, field)]
+            if any(b <= a for a, b in zip(sizes, sizes[1:])):
+                raise ValueError(
+                    f"communication.{field} must be sorted by strictly increasing group_size"
+                )
+        if self.all_to_all_links and self.kind != "ring":
+            raise ValueError(
+                "communication.all_to_all_links prices the head exchange of a ring profile's "
+                "hybrid groups; a kind 'all_to_all' profile lists its exchange in links"
+            )
         return self
 
 
@@ -309,6 +332,8 @@ class Profile(_Strict):
         data = self.model_dump(mode="json")
         if data.get("layer_mix") is None:
             data.pop("layer_mix", None)  # profiles without a mix keep their exact form
+        if not data["communication"].get("all_to_all_links"):
+            data["communication"].pop("all_to_all_links", None)  # nor without a head exchange
         return json.dumps(data, indent=2) + "\n"
 
 
