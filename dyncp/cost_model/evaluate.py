@@ -40,30 +40,35 @@ class PlanCost:
 def evaluate_plan(plan: StepPlan, model: CostModel) -> PlanCost:
     """Predicted cost of ``plan`` under ``model`` (the plan is assumed valid).
 
-    Micro-batches are priced in one vectorised call per CP size, so pricing a plan of thousands of
-    sequences costs about as much as a handful of microbatch_seconds calls.
+    Micro-batches are priced in one vectorised call per group layout (CP size and head split),
+    so pricing a plan of thousands of sequences costs about as much as a handful of
+    microbatch_seconds calls.
     """
     lengths = np.asarray(plan.lengths, dtype=np.int64)
-    # Flatten: for every micro-batch its CP size and its slice of the concatenated ids.
-    sizes: list[int] = []
+    # Flatten: for every micro-batch its group layout (CP size, head split) and its slice of the
+    # concatenated ids.
+    layouts: list[tuple[int, int]] = []
     ids: list[int] = []
     starts: list[int] = []
     for wave in plan.waves:
         for group in wave.groups:
             for mb in group.microbatches:
-                sizes.append(group.size)
+                layouts.append((group.size, group.heads))
                 starts.append(len(ids))
                 ids.extend(mb.seq_ids)
-    mb_sizes = np.asarray(sizes, dtype=np.int64)
     mb_starts = np.asarray(starts, dtype=np.int64)
+    ends = np.append(mb_starts[1:], len(ids))
     flat = lengths[np.asarray(ids, dtype=np.int64)] if ids else lengths[:0]
-    seconds = np.zeros(len(sizes))
-    for cp in np.unique(mb_sizes).tolist():
-        sel = np.flatnonzero(mb_sizes == cp)
-        ends = np.append(mb_starts[1:], len(ids))
-        parts = [flat[mb_starts[j] : ends[j]] for j in sel.tolist()]
+    seconds = np.zeros(len(layouts))
+    by_layout: dict[tuple[int, int], list[int]] = {}
+    for j, key in enumerate(layouts):
+        by_layout.setdefault(key, []).append(j)
+    for (cp, heads), sel in sorted(by_layout.items()):
+        parts = [flat[mb_starts[j] : ends[j]] for j in sel]
         sub_starts = np.cumsum([0] + [len(x) for x in parts[:-1]])
-        seconds[sel] = model.packs_seconds(int(cp), np.concatenate(parts), sub_starts)
+        # The head split is passed only when there is one: plug-in models without it still work.
+        split = {"heads": heads} if heads > 1 else {}
+        seconds[sel] = model.packs_seconds(cp, np.concatenate(parts), sub_starts, **split)
     return time_waves(plan, seconds, model.wave_overhead)
 
 

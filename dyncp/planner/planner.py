@@ -43,13 +43,18 @@ from dyncp.planner.bound import lower_bound
 from dyncp.planner.cpsat import CpSatImprover
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
+from dyncp.planner.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.lp_bound import lp_lower_bound
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
-__all__ = ["Planner", "POLICIES", "BOUNDS", "Improver"]
+__all__ = ["Planner", "POLICIES", "ALL_POLICIES", "HYBRID_POLICY", "BOUNDS", "Improver"]
 
+#: Policies that run rings only (every group u = 1).
 POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
+#: dyncp with a head split chosen per group (needs ``head_sizes`` beyond 1).
+HYBRID_POLICY = "dyncp-hybrid"
+ALL_POLICIES = (*POLICIES, HYBRID_POLICY)
 BOUNDS = ("tight", "simple")
 
 Improver = Callable[[StepPlan, CostModel], StepPlan]
@@ -78,6 +83,13 @@ class Planner:
             e.g. in the plan service where latency matters more than the report).
         reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
             pricing (at most half of ``time_limit``).
+        head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
+            ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
+            split and then gives each group its fastest split (``dyncp.planner.head_split``);
+            the other policies run rings (u = 1). The lower bound counts the splits whatever
+            the policy, so every policy's gap is against the same bound.
+        query_heads, kv_heads: the model's attention heads (default: the profile's
+            ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
     """
 
     def __init__(
@@ -97,13 +109,18 @@ class Planner:
         improver: Improver | None = None,
         bound: str = "tight",
         reserve_seconds: float = 0.03,
+        head_sizes: Sequence[int] = (1,),
+        query_heads: int | None = None,
+        kv_heads: int | None = None,
     ) -> None:
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
         if not reserve_seconds >= 0:
             raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if policy not in ALL_POLICIES:
+            raise ValueError(
+                f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}"
+            )
         if model.ranks_per_node != ranks_per_node:
             raise ValueError(
                 f"cost model built for ranks_per_node={model.ranks_per_node}, planner has "
@@ -112,7 +129,30 @@ class Planner:
         if not time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
         self.model = model
-        self.topology = Topology(world, ranks_per_node, capacity, tuple(group_sizes))
+        splits = tuple(head_sizes) != (1,) and tuple(head_sizes) != ()
+        shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
+        if query_heads is None:
+            query_heads = shape.num_heads if shape is not None else 0
+        if kv_heads is None:
+            kv_heads = shape.num_kv_heads if shape is not None else 0
+        self.topology = Topology(
+            world,
+            ranks_per_node,
+            capacity,
+            tuple(group_sizes),
+            tuple(head_sizes),
+            int(query_heads),
+            int(kv_heads),
+        )
+        if policy == HYBRID_POLICY and self.topology.head_sizes == (1,):
+            raise ValueError(
+                "policy 'dyncp-hybrid' chooses head splits: give head_sizes beyond (1,), "
+                "e.g. (1, 2, 4, 8)"
+            )
+        # What the search and the bounds price: the cheapest split of each CP size, when any.
+        self.search_model = model if self.topology.head_sizes == (1,) else SplitEnvelope(
+            model, self.topology
+        )
         self.policy = policy
         self.time_limit = float(time_limit)
         self.deterministic = deterministic
@@ -145,6 +185,8 @@ class Planner:
             return batch_adaptive_plan(lengths, topo, model), None
         if self.policy == "megatron":
             return megatron_plan(lengths, topo), None
+        if self.policy == HYBRID_POLICY:
+            model = self.search_model
         greedy = GreedyConstructor(lengths, topo, model)
         return greedy.best(deadline=deadline), greedy
 
@@ -200,8 +242,13 @@ class Planner:
             log.warning("%s plan rejected, keeping the previous one: %s", who, exc)
             self.solver_status_counts["REJECTED"] += 1
             return plan, cost
-        new = evaluate_plan(candidate, self.model)
+        new = evaluate_plan(candidate, self._pricing)
         return (candidate, new) if new.step_seconds < cost.step_seconds else (plan, cost)
+
+    @property
+    def _pricing(self) -> CostModel:
+        """The model the policy's candidates are compared with (before splits are chosen)."""
+        return self.search_model if self.policy == HYBRID_POLICY else self.model
 
     def _run_improver(self, plan: StepPlan, cost: PlanCost) -> tuple[StepPlan, PlanCost]:
         assert self.improver is not None
@@ -223,7 +270,7 @@ class Planner:
         plan, greedy = self._construct(lengths, deadline)
         construct_seconds = time.perf_counter() - start
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
-        cost = evaluate_plan(plan, self.model)
+        cost = evaluate_plan(plan, self._pricing)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
@@ -231,13 +278,17 @@ class Planner:
                 plan, cost = self._run_cpsat(plan, cost, greedy, start, stats)
             if self.improver is not None:
                 plan, cost = self._run_improver(plan, cost)
+        if self.policy == HYBRID_POLICY:
+            plan = choose_splits(plan, self.model)
+            plan.policy = self.policy
+            cost = evaluate_plan(plan, self.model)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
-        simple = lower_bound(lengths, self.topology, self.model)
+        simple = lower_bound(lengths, self.topology, self.search_model)
         bound, bound_info = simple, {"kind": "simple"}
         if self.bound == "tight":
-            lp = lp_lower_bound(lengths, self.topology, self.model, simple=simple)
+            lp = lp_lower_bound(lengths, self.topology, self.search_model, simple=simple)
             bound = lp.seconds
             bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
         t2 = time.perf_counter()

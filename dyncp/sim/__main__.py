@@ -36,7 +36,7 @@ from dyncp.datasets import (
 )
 from dyncp.metrics import Exporter, Metrics
 from dyncp.plan import StepPlan
-from dyncp.planner.planner import POLICIES, Planner
+from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
 from dyncp.sim.progress import Progress
 from dyncp.sim.replay import (
     OVERLONG_ACTIONS,
@@ -76,6 +76,20 @@ def _seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value
+
+
+def _head_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated powers of two such as 1,2,4,8, got {text!r}"
+        ) from None
+    if not sizes or any(u < 1 or u & (u - 1) for u in sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated powers of two such as 1,2,4,8, got {text!r}"
+        )
+    return tuple(sorted({1, *sizes}))
 
 
 def _port(text: str) -> int:
@@ -135,8 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policies",
-        default=",".join(POLICIES),
-        help=f"comma-separated subset of {','.join(POLICIES)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: all; "
+        f"{HYBRID_POLICY} only with --head-sizes)",
+    )
+    p.add_argument(
+        "--head-sizes",
+        type=_head_sizes,
+        default=(1,),
+        metavar="U,U,...",
+        help="head-parallel degrees a group may use (u ranks exchange heads by all-to-all, the "
+        "rest form the ring), e.g. 1,2,4,8; the dyncp-hybrid policy chooses among them "
+        "(default 1: rings only)",
     )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
     p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
@@ -212,10 +236,13 @@ def _hold(exporter: Exporter, seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.policies is None:
+        hybrid = args.head_sizes != (1,)
+        args.policies = ",".join(ALL_POLICIES if hybrid else POLICIES)
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    unknown = [s for s in policies if s not in POLICIES]
+    unknown = [s for s in policies if s not in ALL_POLICIES]
     if unknown or not policies:
-        parser.error(f"--policies {args.policies!r}: choose from {','.join(POLICIES)}")
+        parser.error(f"--policies {args.policies!r}: choose from {','.join(ALL_POLICIES)}")
     if args.metrics_port is None:
         for flag, value in (
             ("--hold", args.hold),
@@ -251,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 capacity=args.capacity,
                 policy=name,
                 max_length=args.max_length,
+                head_sizes=args.head_sizes,
             )
             for name in policies
         }
@@ -335,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "seed": args.seed,
             "policies": policies,
+            "head_sizes": list(args.head_sizes),
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),

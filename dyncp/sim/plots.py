@@ -71,8 +71,9 @@ def draw_gantt(
     """Draw one step on ``ax``: a row per rank, time on x (up to ``xmax`` seconds).
 
     Each micro-batch is a bar over its group's ranks, coloured by CP size and outlined thinly;
-    each group's block is outlined in black; the hatched grey behind them is idle time; dashed
-    red vertical lines separate the waves (whose length includes the per-wave overhead).
+    each group's block is outlined in black, with its head split written on it when it has one
+    (``a2a4xring2``); the hatched grey behind them is idle time; dashed red vertical lines
+    separate the waves (whose length includes the per-wave overhead).
     """
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
@@ -97,6 +98,18 @@ def draw_gantt(
                 colours.append(_colour(group.size))
                 t += dt
             outlines.append(Rectangle((t0, group.start), t - t0, group.size))
+            if group.heads > 1 and t - t0 > 0.04 * xmax:
+                # A head split is written on its group: "a2a4xring2" (u ranks exchange heads).
+                ax.text(
+                    (t0 + t) / 2,
+                    group.start + group.size / 2,
+                    group.layout_name,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    rotation=90 if group.size > 4 * (t - t0) / xmax * world else 0,
+                    zorder=5,
+                )
         t0 += wave_seconds
         if w < len(plan.waves) - 1:
             ax.axvline(t0, color=WAVE_COLOUR, linestyle="--", linewidth=1.6, zorder=4)

@@ -152,6 +152,7 @@ class PolicyRun:
     waves: list[int] = field(default_factory=list)
     cp_sequences: Counter = field(default_factory=Counter)
     cp_tokens: Counter = field(default_factory=Counter)
+    layouts: Counter = field(default_factory=Counter)  # sequences per group layout (head split)
 
 
 def replay(
@@ -181,9 +182,10 @@ def replay(
             run.gap.append(st["gap_to_lower_bound"])
             run.plan_seconds.append(st["timings"]["plan_seconds"])
             run.waves.append(st["waves"])
-            for i, cp in plan.cp_of_sequences().items():
-                run.cp_sequences[cp] += 1
-                run.cp_tokens[cp] += int(batch[i])
+            for _, group, mb in plan.microbatches():
+                run.cp_sequences[group.size] += len(mb.seq_ids)
+                run.cp_tokens[group.size] += int(batch[list(mb.seq_ids)].sum())
+                run.layouts[group.layout_name] += len(mb.seq_ids)
         bounds.append(st["lower_bound_seconds"])
         if progress is not None:
             progress()

@@ -15,6 +15,17 @@ def _histogram(counter: dict[int, int]) -> dict[str, int]:
     return {str(cp): int(counter[cp]) for cp in sorted(counter)}
 
 
+def _layouts(counter: dict[str, int]) -> dict[str, int]:
+    """Sequences per group layout, by CP size then head split (``ring8`` before ``a2a2xring4``)."""
+
+    def key(name: str) -> tuple[int, int]:
+        parts = [int("".join(ch for ch in part if ch.isdigit())) for part in name.split("x")]
+        heads = parts[0] if name.startswith("a2a") else 1
+        return (int(np.prod(parts)), heads)
+
+    return {name: int(counter[name]) for name in sorted(counter, key=key)}
+
+
 def summarise(runs: dict[str, PolicyRun], bounds: list[float]) -> dict[str, Any]:
     """The report's numbers; every field but the plan_seconds_* timings is deterministic."""
     policies: dict[str, Any] = {}
@@ -31,6 +42,7 @@ def summarise(runs: dict[str, PolicyRun], bounds: list[float]) -> dict[str, Any]
             "plan_seconds_p99": float(np.percentile(plan_s, 99)),
             "cp_histogram": _histogram(run.cp_sequences),
             "cp_token_histogram": _histogram(run.cp_tokens),
+            "layout_histogram": _layouts(run.layouts),
             "step_seconds": [float(x) for x in run.step_seconds],
         }
     out: dict[str, Any] = {
@@ -91,6 +103,14 @@ def format_table(summary: dict[str, Any]) -> str:
             format_latency(p["plan_seconds_p99"]),
         ]
         lines.append(_cells(row, _WIDTHS, 1) + f"  {mix}")
+        layouts = p.get("layout_histogram", {})
+        if any(not name.startswith("ring") for name in layouts):
+            split = " ".join(
+                f"{name}:{n / total:.1%}"
+                for name, n in layouts.items()
+                if not name.startswith("ring")
+            )
+            lines.append(" " * (sum(_WIDTHS) + len(_WIDTHS) - 1) + f"  head splits: {split}")
     bound = f"{summary['lower_bound_mean_step_seconds']:.3f}"
     lines.append(_cells(["lower bound", bound], _WIDTHS[:2], 1))
     return "\n".join(lines)
