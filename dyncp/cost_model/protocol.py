@@ -24,7 +24,19 @@ Contract (the bounds are proven from it, so an implementation must keep it):
    the cheaper of the two; ``fixed_seconds(c) >= fixed_seconds(1) >= microbatch_overhead``;
 5. ``packs_seconds(c, lengths, starts)[j] == microbatch_seconds(c, pack j)``.
 
-Memory is not the cost model's business: it is the plan contract's (``dyncp.plan``).
+Head splits (hybrid head x context parallelism, ``dyncp.plan.Group.heads``): a group of c ranks
+may run as u x r (u ranks exchange heads by all-to-all, rings of r = c / u ranks). Every pricing
+member above (all but the attributes and ``name``) then takes the keyword ``heads=u``, and the
+contract holds for every (c, u) with ``heads=u`` passed to each side; contract 2, for instance,
+reads ``microbatch_seconds(c, S, heads=u) >= fixed_seconds(c, heads=u) +
+sum(bound_rank_seconds(c, S, heads=u)) / c``. The keyword is optional for a plug-in model:
+callers pass it only when u > 1, so a model that prices rings only keeps the signatures below
+(a topology whose ``head_sizes`` is ``(1,)`` never passes it). ``CostModel`` accepts it
+everywhere (``heads=1`` is today's ring, bit for bit) and raises ValueError, naming the values,
+for a split its profile cannot price.
+
+Memory is not the cost model's business: it is the plan contract's (``dyncp.plan``); a head
+split keeps the zigzag shard of c ranks, so its memory is that of the ring of c.
 """
 
 from __future__ import annotations
