@@ -14,7 +14,9 @@ Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
   fitted fixed cost per call is not scaled;
 - ``nccl_perf.csv``, all_gather on 2/4/8 GPUs in one node: fitted to ``(n-1) * (latency +
   chunk / bandwidth)``, the cost of n-1 ring steps, to get one NVLink ring step's latency and
-  bandwidth.
+  bandwidth; and, per GPU count n, to ``latency + size / bandwidth`` for the all-to-all of the
+  head exchange (``communication.all_to_all_links``, see ``fit_all_to_all``: no all-to-all was
+  measured, the all-gather moving the same bytes per GPU stands in for it).
 
 GEMMs are priced from their FLOPs (``DecoderShape.linear_flops_per_token``) at a stated
 throughput. Everything else is a stated assumption, written into the profile's provenance with its
@@ -42,6 +44,8 @@ __all__ = [
     "AttentionFit",
     "fit_attention",
     "fit_nvlink",
+    "fit_all_to_all",
+    "all_to_all_links",
     "REFERENCE_SOURCE",
 ]
 
@@ -123,6 +127,53 @@ def fit_nvlink(src: Path) -> tuple[float, float, float]:
     return float(coef[0]), float(1.0 / coef[1]), float(rel.max())
 
 
+def fit_all_to_all(src: Path) -> dict[int, tuple[float, float, float]]:
+    """Per GPU count n in ``nccl_perf.csv``: (latency s, bandwidth B/s, max relative error) of an
+    all-to-all over n GPUs of one node in which each GPU holds B bytes: ``latency + B /
+    bandwidth``.
+
+    No all-to-all was measured. The all_gather rows of output size B stand in for it: both move
+    (n-1)/n x B bytes out of and into every GPU (the all-gather sends its B/n chunk to n-1 peers;
+    the all-to-all keeps 1/n of its B and sends the rest), and NVSwitch connects every GPU to
+    every other at its full NVLink bandwidth at once (full bisection), so the bytes per GPU, not
+    the pattern, set the time. Fitted on relative error to the out-of-place times (an
+    all-to-all is out of place), one fit per n.
+    """
+    rows = [r for r in _rows(src / "nccl_perf.csv") if r["op"] == "all_gather"]
+    out = {}
+    for n in sorted({int(r["ngpu"]) for r in rows}):
+        mine = [r for r in rows if int(r["ngpu"]) == n]
+        size = np.array([float(r["size_bytes"]) for r in mine])
+        t = np.array([float(r["t_us_out"]) for r in mine]) * 1e-6
+        basis = np.stack([np.ones(len(t)), size], 1)
+        coef, _ = nnls(basis / t[:, None], np.ones(len(t)))
+        rel = np.abs(basis @ coef - t) / t
+        out[n] = (float(coef[0]), float(1.0 / coef[1]), float(rel.max()))
+    return out
+
+
+def all_to_all_links(src: Path, shape: DecoderShape) -> list[dict]:
+    """``communication.all_to_all_links`` of the reference: the NVLink fits of
+    ``fit_all_to_all`` for 2, 4 and 8 GPUs, then head groups across nodes up to the model's
+    query heads (a head group never outgrows them): the stated InfiniBand link, every byte
+    that leaves a GPU assumed to cross its own port (``INTER_NODE_BW`` x u / (u - 1))."""
+    links = [
+        {"group_size": n, "latency_seconds": lat, "bandwidth_bytes_per_second": bw}
+        for n, (lat, bw, _) in fit_all_to_all(src).items()
+    ]
+    u = 2 * links[-1]["group_size"]
+    while u < 2 * shape.num_heads:
+        links.append(
+            {
+                "group_size": u,
+                "latency_seconds": INTER_NODE_LATENCY,
+                "bandwidth_bytes_per_second": INTER_NODE_BW * u / (u - 1),
+            }
+        )
+        u *= 2
+    return links
+
+
 def coverage_warnings(shape: DecoderShape) -> list[str]:
     """What about ``shape`` the measured data does not cover (empty when it is all measured)."""
     out = []
@@ -199,6 +250,22 @@ def _assumptions(shape: DecoderShape, att: AttentionFit) -> list[dict]:
             "source": "assumed; a few microseconds of IB latency plus NCCL P2P set-up",
         },
         {
+            "name": "all-to-all inside a node (2, 4, 8 GPUs)",
+            "value": "the all_gather of the same bytes per GPU",
+            "source": "nccl_perf.csv measured no all-to-all; an all_gather of output size B and "
+            "an all-to-all in which each GPU holds B bytes both move (n-1)/n x B bytes out of "
+            "and into every GPU, and NVSwitch gives every GPU its full NVLink bandwidth to all "
+            "peers at once (full bisection), so the bytes per GPU set the time",
+        },
+        {
+            "name": "all-to-all across nodes (16 GPUs and more)",
+            "value": f"{INTER_NODE_LATENCY} s + B / ({INTER_NODE_BW:.3g} B/s x u / (u - 1))",
+            "source": "assumed: all (u-1)/u of the bytes a GPU sends cross its own InfiniBand "
+            "port at the inter-node ring bandwidth above; the 7/u that stay inside its node go "
+            "over NVLink and are counted as InfiniBand, so the time is overstated by up to "
+            "(u-1)/(u-8) (x1.9 at 16 GPUs)",
+        },
+        {
             "name": "per-micro-batch overhead (s)",
             "value": MICROBATCH_SECONDS_PER_LAYER * layers,
             "source": f"assumed: 5 ms per 32 layers (launches of ~100 kernels per layer fwd+bwd "
@@ -240,6 +307,7 @@ def build_reference_profile(
     fwd = [k0 + (t - k0) * scale_heads for t in att.forward_seconds]
     quad = att.coef[:2] * scale_heads
     latency, bandwidth, nccl_err = fit_nvlink(src)
+    a2a = fit_all_to_all(src)
     scale = 1.0 + BWD_FWD_RATIO
     tp = MEASURED_HEADS[att.heads]
     warnings = coverage_warnings(shape)
@@ -253,6 +321,12 @@ def build_reference_profile(
         f"{att.max_relative_error:.1%}",
         f"NVLink ring step fit over all_gather 2/4/8 GPUs: latency {latency:.2e} s, "
         f"bandwidth {bandwidth / 1e9:.1f} GB/s, max relative error {nccl_err:.1%}",
+        "all-to-all fit latency + B / bandwidth over all_gather of output size B, per GPU "
+        "count: "
+        + "; ".join(
+            f"{n}: {lat:.2e} s, {bw / 1e9:.1f} GB/s, max relative error {err:.1%}"
+            for n, (lat, bw, err) in a2a.items()
+        ),
         "seconds = measured forward x (1 + backward/forward ratio), per layer",
     ]
     if scale_heads != 1.0:
@@ -300,6 +374,7 @@ def build_reference_profile(
                 "latency_seconds": INTER_NODE_LATENCY,
                 "bandwidth_bytes_per_second": INTER_NODE_BW,
             },
+            "all_to_all_links": all_to_all_links(src, shape),
         },
         "overheads": {
             "microbatch_seconds": MICROBATCH_SECONDS_PER_LAYER * shape.num_layers,
