@@ -10,11 +10,13 @@ Modules: ``layout`` (RingLayout), ``sharding`` (zigzag pad/split/unsplit, positi
 ``steps`` (the zigzag causal schedule), ``block`` (the kernel interface), ``math_kernel`` /
 ``sdpa_kernel`` / ``flash_kernel`` (block kernels), ``kernels`` (choosing one), ``merge`` (the
 log-sum-exp update), ``comm`` (ring send/recv), ``ring`` (the autograd Function), ``window``
-(sliding-window causal attention that skips ring steps outside the window).
+(sliding-window causal attention that skips ring steps outside the window), ``hybrid``
+(HybridLayout: heads exchanged by all-to-all over u ranks around a ring of r = cp / u).
 """
 
 from dyncp.ring_attention.block import BlockKernel, BlockSpec
 from dyncp.ring_attention.flash_kernel import FlashAttnKernel
+from dyncp.ring_attention.hybrid import HybridLayout, make_hybrid_layout
 from dyncp.ring_attention.kernels import (
     KERNEL_NAMES,
     KernelFallbackWarning,
@@ -39,11 +41,13 @@ __all__ = [
     "BlockKernel",
     "BlockSpec",
     "FlashAttnKernel",
+    "HybridLayout",
     "KernelFallbackWarning",
     "MathKernel",
     "RingLayout",
     "SdpaKernel",
     "WindowPlan",
+    "make_hybrid_layout",
     "make_kernel",
     "make_ring_layout",
     "merge_block",

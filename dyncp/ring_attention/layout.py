@@ -13,6 +13,10 @@ Zigzag layout of the plan contract (c = ``cp``)::
     a packed micro-batch's local tensor: [seq0 local | seq1 local | ...]
 
 With c = 1 nothing is padded and the only rank holds every sequence whole.
+
+``pad_multiple`` pads to a coarser unit (a multiple of 2c): the ring of a hybrid group
+(``hybrid.py``) has r ranks but its sequences are padded to a multiple of 2 * (u * r), so that
+every rank of the group holds whole chunks of the zigzag at u * r.
 """
 
 from __future__ import annotations
@@ -22,12 +26,34 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from dyncp.plan import padded_length
-
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["RingLayout", "make_ring_layout"]
+__all__ = ["RingLayout", "make_ring_layout", "pad_to", "padding_unit"]
+
+
+def padding_unit(cp: int, pad_multiple: int | None) -> int:
+    """The multiple sequences are padded to: ``pad_multiple``, or 2 * cp (1 when cp == 1).
+
+    Raises:
+        ValueError: ``pad_multiple`` is not a positive multiple of 2 * cp (any positive integer
+            when cp == 1).
+    """
+    need = 2 * cp if cp > 1 else 1
+    if pad_multiple is None:
+        return need
+    whole = isinstance(pad_multiple, int) and not isinstance(pad_multiple, bool)
+    if not whole or pad_multiple < 1 or pad_multiple % need:
+        raise ValueError(
+            f"pad_multiple must be a positive multiple of {need} (2 * cp, or 1 when cp == 1) "
+            f"at cp={cp}, got {pad_multiple!r}"
+        )
+    return pad_multiple
+
+
+def pad_to(length: int, unit: int) -> int:
+    """``length`` rounded up to a multiple of ``unit``."""
+    return -(-int(length) // unit) * unit
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
@@ -51,6 +77,8 @@ class RingLayout:
         cu_seqlens_local: cumulative local lengths on this rank (``padded / cp`` per sequence).
         max_seqlen_padded: longest padded global sequence.
         max_seqlen_local: longest local shard of one sequence.
+        pad_multiple: sequences are padded to a multiple of this; ``None`` (the default): the
+            plan's 2 * cp (no padding when cp == 1). See :func:`padding_unit`.
 
     Raises:
         ValueError: if the fields are inconsistent with each other (names the field).
@@ -65,6 +93,7 @@ class RingLayout:
     cu_seqlens_local: tuple[int, ...]
     max_seqlen_padded: int
     max_seqlen_local: int
+    pad_multiple: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp, int) or self.cp < 1:
@@ -85,7 +114,8 @@ class RingLayout:
             raise ValueError(
                 f"RingLayout.seqlens must be a non-empty list of lengths >= 1, got {self.seqlens}"
             )
-        padded = [padded_length(s, self.cp) for s in self.seqlens]
+        unit = padding_unit(self.cp, self.pad_multiple)
+        padded = [pad_to(s, unit) for s in self.seqlens]
         expected = {
             "cu_seqlens_padded": _cumsum(padded),
             "cu_seqlens_local": _cumsum(p // self.cp for p in padded),
@@ -100,6 +130,11 @@ class RingLayout:
                     f"RingLayout.{name}={got} does not match seqlens={self.seqlens} at "
                     f"cp={self.cp}: expected {value}"
                 )
+
+    @property
+    def unit(self) -> int:
+        """The multiple every sequence is padded to (see :func:`padding_unit`)."""
+        return padding_unit(self.cp, self.pad_multiple)
 
     @property
     def num_seqs(self) -> int:
@@ -131,6 +166,7 @@ def make_ring_layout(
     cp: int,
     group: ProcessGroup | None = None,
     rank: int | None = None,
+    pad_multiple: int | None = None,
 ) -> RingLayout:
     """Build the layout of one micro-batch for this rank.
 
@@ -140,6 +176,7 @@ def make_ring_layout(
         group: the ring's process group (size ``cp``); must be ``None`` when ``cp == 1``.
         rank: this process's *global* rank; defaults to ``torch.distributed.get_rank()`` (or 0
             when ``cp == 1``). Its index within ``group`` becomes ``RingLayout.rank``.
+        pad_multiple: pad sequences to a multiple of this instead of 2 * cp (a multiple of it).
 
     Returns:
         The frozen :class:`RingLayout`.
@@ -153,6 +190,7 @@ def make_ring_layout(
         raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
     if not seqlens or min(seqlens) < 1:
         raise ValueError(f"seqlens must be a non-empty list of lengths >= 1, got {seqlens}")
+    unit = padding_unit(cp, pad_multiple)
     if cp == 1:
         if group is not None:
             raise ValueError("cp == 1 runs without communication: pass group=None")
@@ -160,7 +198,7 @@ def make_ring_layout(
         index = 0
     else:
         group_ranks, index = _locate(group=group, cp=cp, rank=rank)
-    padded = [padded_length(s, cp) for s in seqlens]
+    padded = [pad_to(s, unit) for s in seqlens]
     return RingLayout(
         group=group,
         cp=cp,
@@ -171,6 +209,7 @@ def make_ring_layout(
         cu_seqlens_local=_cumsum(p // cp for p in padded),
         max_seqlen_padded=max(padded),
         max_seqlen_local=max(padded) // cp,
+        pad_multiple=pad_multiple,
     )
 
 

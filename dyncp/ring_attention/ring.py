@@ -9,6 +9,9 @@ Backward: K/V go around again, and with them the dK/dV accumulators: at each ste
 gradient of the block it holds to the accumulator that arrived with it and passes it on, so after
 ``cp`` hops every accumulator is back with the rank that owns the keys. dQ never leaves the rank.
 Gradients come back in the dtype of their inputs; nothing is cast to a fixed dtype.
+
+A :class:`~dyncp.ring_attention.hybrid.HybridLayout` (u > 1 heads ranks around a ring of r) runs
+the same Function over the ring sub-group, between the head exchanges of ``hybrid.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from dyncp.ring_attention.block import BlockKernel, acc_dtype
 from dyncp.ring_attention.comm import PendingExchange, ring_exchange
+from dyncp.ring_attention.hybrid import HybridLayout, heads_to_ring, ring_to_heads
 from dyncp.ring_attention.kernels import select_kernel
 from dyncp.ring_attention.layout import RingLayout
 from dyncp.ring_attention.math_kernel import MathKernel
@@ -38,7 +42,7 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: RingLayout,
+    layout: RingLayout | HybridLayout,
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -51,13 +55,17 @@ def ring_attention(
         q: ``(T, H, D)`` local queries, ``T = layout.local_tokens`` (padding rows included).
         k: ``(T, Hkv, D)`` local keys, ``H % Hkv == 0`` (grouped-query attention).
         v: ``(T, Hkv, Dv)`` local values.
-        layout: the micro-batch's :class:`RingLayout` on this rank (``make_ring_layout``).
+        layout: the micro-batch's :class:`RingLayout` on this rank (``make_ring_layout``), or
+            its :class:`HybridLayout` (``make_hybrid_layout``): the same local tokens with all
+            heads in and out, the heads exchanged over the head sub-group inside (q's heads
+            divisible by u; KV heads divisible by u, or fewer and dividing u: replicated).
         causal: causal attention within each sequence; otherwise full attention.
         softmax_scale: score scale, default ``1 / sqrt(D)``.
         kernel: ``"auto"``, ``"flash"``, ``"sdpa"``, ``"math"`` or a ``BlockKernel``.
         window: causal sliding window (each query sees itself and the ``window - 1`` keys before
             it); ring steps outside the window are skipped (``window.py``). Runs the exact
             position-masked block computation, so ``kernel`` must be ``"auto"`` or ``"math"``.
+            Not with a HybridLayout or a ring padded beyond 2 * cp (``pad_multiple``).
 
     Returns:
         ``(T, H, Dv)`` in the dtype of ``q``. Padding rows are 0; real rows never depend on
@@ -66,8 +74,8 @@ def ring_attention(
     Raises:
         ValueError: mismatched shapes, dtypes or devices, tensors that do not match the layout's
             ``cu_seqlens_local``, a layout whose group does not contain this rank, an unusable
-            kernel or a non-positive scale; a window below 1, without ``causal`` or with
-            another kernel.
+            kernel or a non-positive scale; a window below 1, without ``causal``, with another
+            kernel or with a hybrid layout; head counts a hybrid layout cannot split.
     """
     _check_inputs(q, k, v, layout)
     if softmax_scale is None:
@@ -80,18 +88,40 @@ def ring_attention(
         if not (kernel in ("auto", "math") or isinstance(kernel, MathKernel)):
             raise ValueError(f"window=... runs the exact windowed kernel; kernel must be 'auto' "
                              f"or 'math', got {kernel!r}")  # fmt: skip
+        if isinstance(layout, HybridLayout) or layout.pad_multiple is not None:
+            raise ValueError(
+                "window=... runs on a plain ring (heads == 1, padding to 2 * cp); this layout "
+                f"is {_describe(layout)}"
+            )
         return windowed_ring_attention(
             q, k, v, layout, window=window, softmax_scale=float(softmax_scale)
         )
     block_kernel = select_kernel(
         kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1]
     )
-    return _RingAttention.apply(q, k, v, layout, bool(causal), float(softmax_scale), block_kernel)
+    args = (bool(causal), float(softmax_scale), block_kernel)
+    if isinstance(layout, HybridLayout):
+        q_ring, k_ring, v_ring = heads_to_ring(q, k, v, layout)
+        return ring_to_heads(
+            _RingAttention.apply(q_ring, k_ring, v_ring, layout.ring, *args), layout
+        )
+    return _RingAttention.apply(q, k, v, layout, *args)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RingLayout) -> None:
-    if not isinstance(layout, RingLayout):
-        raise ValueError(f"layout must be a RingLayout (make_ring_layout), got {type(layout)}")
+def _describe(layout: RingLayout | HybridLayout) -> str:
+    if isinstance(layout, HybridLayout):
+        return f"hybrid (cp={layout.cp}, heads={layout.heads}, ring={layout.ring.cp})"
+    return f"a ring of cp={layout.cp} padding to multiples of {layout.unit}"
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RingLayout | HybridLayout
+) -> None:
+    if not isinstance(layout, (RingLayout, HybridLayout)):
+        raise ValueError(
+            f"layout must be a RingLayout (make_ring_layout) or a HybridLayout "
+            f"(make_hybrid_layout), got {type(layout)}"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -115,8 +145,33 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Rin
         )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k need the same head_dim, got {q.shape[2]} and {k.shape[2]}")
-    if layout.cp > 1:
+    if isinstance(layout, HybridLayout):
+        _check_hybrid(q.shape[1], k.shape[1], layout)
+    elif layout.cp > 1:
         _check_group(layout)
+
+
+def _check_hybrid(heads: int, kv_heads: int, layout: HybridLayout) -> None:
+    u = layout.heads
+    if heads % u or (kv_heads % u and u % kv_heads):
+        raise ValueError(
+            f"a hybrid layout with heads={u} needs query heads divisible by {u} and KV heads "
+            f"divisible by {u} or dividing it (replicated); got {heads} query and {kv_heads} "
+            "KV heads"
+        )
+    if not dist.is_initialized():
+        raise ValueError(f"heads={u} needs an initialised torch.distributed")
+    me = dist.get_rank()
+    if layout.head_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"the layout's head group does not contain this rank ({me})")
+    size = dist.get_world_size(layout.head_group)
+    if size != u or layout.head_ranks[layout.head_index] != me:
+        raise ValueError(
+            f"the layout's head group {layout.head_ranks} ({size} ranks, heads={u}) does not "
+            f"hold this process (global rank {me}) at head_index={layout.head_index}"
+        )
+    if layout.ring.cp > 1:
+        _check_group(layout.ring)
 
 
 def _check_group(layout: RingLayout) -> None:
@@ -150,7 +205,12 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         steps = zigzag_steps(
-            seqlens=layout.seqlens, cp=layout.cp, rank=layout.rank, causal=causal, device=q.device
+            seqlens=layout.seqlens,
+            cp=layout.cp,
+            rank=layout.rank,
+            causal=causal,
+            device=q.device,
+            pad_multiple=layout.pad_multiple,
         )
         out, lse = _ring_forward(q, k, v, layout=layout, steps=steps, kernel=kernel, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)

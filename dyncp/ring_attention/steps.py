@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyncp.plan import padded_length
 from dyncp.ring_attention.block import BlockSpec
+from dyncp.ring_attention.layout import pad_to, padding_unit
 
 __all__ = ["RingStep", "zigzag_steps"]
 
@@ -74,15 +74,24 @@ def _prefix(counts: Sequence[int]) -> list[int]:
 
 
 def zigzag_steps(
-    *, seqlens: Sequence[int], cp: int, rank: int, causal: bool, device: torch.device
+    *,
+    seqlens: Sequence[int],
+    cp: int,
+    rank: int,
+    causal: bool,
+    device: torch.device,
+    pad_multiple: int | None = None,
 ) -> list[RingStep]:
     """The ring step for every source rank (indexed by source), for rank ``rank`` of the ring.
 
-    Only lengths, cp and the rank index matter (as for sharding), so the schedule can be built
-    and checked without a process group.
+    Only lengths, cp, the padding unit (``RingLayout.pad_multiple``; default 2 * cp) and the
+    rank index matter (as for sharding), so the schedule can be built and checked without a
+    process group. A coarser unit only makes the chunks longer; with cp == 1 each sequence's
+    real tokens are still the prefix of its padded rows.
     """
     c, r = cp, rank
-    padded = [padded_length(length, c) for length in seqlens]
+    unit = padding_unit(c, pad_multiple)
+    padded = [pad_to(length, unit) for length in seqlens]
     local_offsets = _prefix([p // c for p in padded])
     local_tokens = sum(padded) // c
     steps = []

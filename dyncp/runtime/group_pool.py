@@ -8,6 +8,14 @@ the list of its global ranks in DP x CP order. All ranks of the job must constru
 ``new_group`` call is collective) with the same arguments; groups are created in the same order
 everywhere: sizes ascending, blocks ascending.
 
+Hybrid groups (``head_sizes``): a group of c ranks split u x r (u ranks exchanging heads, r in a
+ring) needs its head sub-groups, the aligned u-blocks (the existing block groups when u is an
+allowed CP size; for r == 1 the head group is the block group itself), and its ring sub-groups,
+ranks ``{start + i*u + j : i < r}`` for each head index j (stride u). After the block groups the
+pool creates the head blocks of every u that is not a CP size (u ascending, blocks ascending),
+then the ring sub-groups of every allowed c and u with 1 < u < c (c ascending, u ascending,
+blocks ascending, j ascending).
+
 On NCCL ``torch.distributed.split_group`` is used when this torch has it (one communicator split
 instead of one bootstrap per group); gloo and older torch use ``new_group``. Each group this rank
 belongs to is warmed up with a tiny all_reduce, so the first training step does not pay for lazy
@@ -57,6 +65,8 @@ class GroupPool:
     Args:
         ranks: global ranks of the DP x CP axis in order (default: the whole world).
         group_sizes: allowed CP sizes (default: every power of two dividing ``len(ranks)``).
+        head_sizes: allowed head-parallel degrees u (powers of two, 1 always included, each at
+            most the largest CP size); see the module docstring for the groups they add.
         warmup: run one all_reduce on each own group right away.
         timeout: seconds after which a collective on the pool's groups fails (default: the
             job's timeout, see :func:`job_timeout`).
@@ -72,7 +82,7 @@ class GroupPool:
         calls: ``execute`` calls so far on this rank (every rank counts the same).
 
     Raises:
-        ValueError: bad ranks, group sizes or timeout.
+        ValueError: bad ranks, group sizes, head sizes or timeout.
     """
 
     def __init__(
@@ -80,6 +90,7 @@ class GroupPool:
         *,
         ranks: Sequence[int] | None = None,
         group_sizes: Sequence[int] | None = None,
+        head_sizes: Sequence[int] = (1,),
         warmup: bool = True,
         timeout: float | None = None,
         store: Store | None = None,
@@ -106,6 +117,14 @@ class GroupPool:
                 f"DP x CP axis of {self.world} ranks"
             )
         self.group_sizes = tuple(sizes)
+        heads = sorted({1, *(int(u) for u in head_sizes)})
+        wrong = [u for u in heads if u < 1 or u & (u - 1) or u > self.group_sizes[-1]]
+        if wrong:
+            raise ValueError(
+                f"head sizes {wrong} not allowed: each must be a power of two no larger than the "
+                f"largest group size {self.group_sizes[-1]} (group sizes {list(self.group_sizes)})"
+            )
+        self.head_sizes = tuple(heads)
         me = dist.get_rank()
         self.position = self.ranks.index(me) if me in self.ranks else None
         self.backend = dist.get_backend()
@@ -114,6 +133,8 @@ class GroupPool:
             raise ValueError(f"GroupPool timeout must be > 0 seconds, got {timeout!r}")
         kwargs = {"timeout": datetime.timedelta(seconds=self.timeout)}
         self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._head_blocks: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._rings: dict[tuple[int, int, int], dist.ProcessGroup] = {}
         start = time.perf_counter()
         self.axis_group = self._new_group(list(self.ranks), kwargs) if self.world < job else None
         self.control_group = dist.new_group(ranks=list(self.ranks), backend="gloo", **kwargs)
@@ -130,10 +151,35 @@ class GroupPool:
                 self.created += 1
                 if self.position is not None and first <= self.position < first + size:
                     self._groups[(first, size)] = group
+        self._build_hybrid(kwargs)
         if warmup:
-            for group in self._groups.values():
+            for group in (*self._groups.values(), *self._head_blocks.values(),
+                          *self._rings.values()):  # fmt: skip
                 dist.all_reduce(torch.zeros(1), group=group)
         self.creation_seconds = time.perf_counter() - start
+
+    def _build_hybrid(self, kwargs: dict) -> None:
+        """Head blocks of head sizes that are not CP sizes, then every ring sub-group."""
+        mine = self.position
+        for u in self.head_sizes:
+            if u == 1 or u in self.group_sizes:
+                continue
+            for first in range(0, self.world, u):
+                group = self._new_group(list(self.ranks[first : first + u]), kwargs)
+                self.created += 1
+                if mine is not None and first <= mine < first + u:
+                    self._head_blocks[(first, u)] = group
+        for c in self.group_sizes:
+            for u in self.head_sizes:
+                if not 1 < u < c:
+                    continue
+                for start in range(0, self.world, c):
+                    for j in range(u):
+                        positions = range(start + j, start + c, u)
+                        group = self._new_group([self.ranks[p] for p in positions], kwargs)
+                        self.created += 1
+                        if mine in positions:
+                            self._rings[(start, c, u)] = group
 
     def _new_group(self, members: list[int], kwargs: dict) -> dist.ProcessGroup:
         split = getattr(dist, "split_group", None)
@@ -160,10 +206,41 @@ class GroupPool:
             )
         return self._groups[key]
 
-    def has_block(self, start: int, size: int) -> bool:
-        """Whether a plan group on ``[start, start + size)`` can run (built, or size 1)."""
+    def has_block(self, start: int, size: int, heads: int = 1) -> bool:
+        """Whether a plan group on ``[start, start + size)`` split ``heads`` x ``size // heads``
+        can run (its groups built, or size 1)."""
         aligned = size >= 1 and start % size == 0 and 0 <= start <= self.world - size
-        return aligned and size in self.group_sizes
+        split = heads == 1 or (heads in self.head_sizes and size % heads == 0)
+        return aligned and size in self.group_sizes and split
+
+    def hybrid_groups(
+        self, start: int, size: int, heads: int
+    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """This rank's head sub-group and ring sub-group (None when ``heads == size``) in the
+        group ``[start, start + size)`` split ``heads`` x ``size // heads`` (``heads`` >= 2).
+
+        Raises:
+            ValueError: the split is not one the pool built, or this rank is not in the group;
+                the message names the ranks.
+        """
+        start, size, heads = int(start), int(size), int(heads)
+        members = list(self.ranks[start : start + size])
+        me = self.position
+        if not (heads >= 2 and self.has_block(start, size, heads)):
+            raise ValueError(
+                f"no pre-built hybrid split heads={heads} x ring={size // max(heads, 1)} for "
+                f"ranks {members} (block start {start}, size {size}); the pool holds sizes "
+                f"{list(self.group_sizes)} and head sizes {list(self.head_sizes)} on aligned "
+                f"blocks of the axis {list(self.ranks)}"
+            )
+        if me is None or not start <= me < start + size:
+            where = "not on the axis" if me is None else f"rank {self.ranks[me]}"
+            raise ValueError(f"this rank ({where}) is not in the group of ranks {members}")
+        first = start + (me - start) // heads * heads
+        key = (first, heads)
+        head = self._groups[key] if heads in self.group_sizes else self._head_blocks[key]
+        ring = None if heads == size else self._rings[(start, size, heads)]
+        return head, ring
 
     def barrier(self) -> None:
         """Synchronise the whole DP x CP axis (where group membership changes)."""
@@ -175,5 +252,6 @@ class GroupPool:
     def __repr__(self) -> str:
         return (
             f"GroupPool(world={self.world}, sizes={list(self.group_sizes)}, "
+            f"head_sizes={list(self.head_sizes)}, "
             f"created={self.created}, creation_seconds={self.creation_seconds:.3f})"
         )
