@@ -15,6 +15,10 @@ What it measures, per transformer layer of the model shape (``--model``):
 - under torchrun with several ranks: one ring step (batched send/recv of a K/V block to the next
   rank) for each group size and a range of message sizes -> latency and bandwidth per step; all
   ranks measure at the same time, so a shared machine's contention is part of the numbers;
+- under torchrun, the head exchange of hybrid groups: ``all_to_all_single`` over each group size's
+  contiguous blocks of ranks (all blocks at once) for a range of bytes per rank ->
+  ``communication.all_to_all_links``; ``--all-to-all-into PROFILE`` measures only this and
+  writes it into an existing profile, every other number kept;
 - the synchronisation at a wave boundary (the executor's status exchange) -> the wave constant;
 - finally, packs of real document lengths filling ``--capacity`` tokens per rank at every CP size
   (``--calibration-packs`` per size, as ``dyncp.cost_model.validate`` runs them but other packs):
@@ -42,11 +46,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import nnls
+from scipy.optimize import least_squares, nnls
 
 from dyncp.cost_model.calibrate import Measurement, fit_profile
 from dyncp.cost_model.packs import measure_packs, ring_sizes
-from dyncp.cost_model.schema import Profile, RunContext
+from dyncp.cost_model.schema import Profile, ProfileError, RunContext, load_profile
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.ring_attention import make_ring_layout, ring_attention, zigzag_positions, zigzag_shard
 from dyncp.ring_attention.comm import ring_exchange
@@ -58,6 +62,9 @@ __all__ = [
     "fit_linear",
     "fit_attention",
     "fit_link",
+    "measure_all_to_all",
+    "all_to_all_section",
+    "fit_link_robust",
     "main",
     "run_context",
 ]
@@ -114,6 +121,121 @@ def fit_link(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, flo
     """``seconds = latency + bytes / bandwidth``; (latency, bandwidth, max relative error)."""
     per_byte, latency, err = fit_linear(nbytes, seconds)
     return latency, 1.0 / max(per_byte, 1e-18), err
+
+
+#: Tokens per rank of the timed all-to-alls (the head exchange of a layer's q, k and v).
+ALL_TO_ALL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _group_sizes(world: int) -> list[int]:
+    """Group sizes the profiler measures: powers of two that divide the world."""
+    return [c for c in (2, 4, 8, 16, 32, 64) if c <= world and world % c == 0]
+
+
+def measure_all_to_all(
+    cfg: TinyConfig,
+    groups: dict[int, list],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    sync: Callable[[], None],
+    log: Callable[[str], None],
+    tokens: tuple[int, ...] = ALL_TO_ALL_TOKENS,
+) -> dict[int, list[tuple[int, float]]]:
+    """(bytes each rank holds, seconds) of ``all_to_all_single`` per group size.
+
+    Each rank holds the q, k and v of ``tokens`` tokens of ``cfg`` (heads + 2 KV heads, in
+    ``dtype``): the sizes the head exchange of that model moves. ``groups[c]`` lists the
+    process groups of the contiguous blocks of c ranks (a head group is such a block); every
+    block exchanges at once, as all head groups of a step do. The median over ``repeats`` of
+    the slowest rank's time is kept, as ``_median_seconds`` does.
+    """
+    me = dist.get_rank()
+    per_token = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    out: dict[int, list[tuple[int, float]]] = {}
+    for c, blocks in sorted(groups.items()):
+        group = blocks[me // c]
+        steps = []
+        for n in tokens:
+            numel = -(-n * per_token // c) * c  # an equal split per peer
+            send = torch.ones(numel, dtype=dtype, device=device)
+            steps.append((send, torch.empty_like(send)))
+        # Rounds over all sizes (not all repeats of one size in a row): a burst of contention
+        # on a shared machine then slows one round of every size instead of one size's median.
+        times: list[list[float]] = [[] for _ in steps]
+        for round_ in range(repeats + 1):
+            for i, (send, recv) in enumerate(steps):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(recv, send, group=group)
+                sync()
+                slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if round_ > 0:  # round 0 warms up
+                    times[i].append(float(slowest.item()))
+        points = [
+            (send.numel() * send.element_size(), statistics.median(t))
+            for (send, _), t in zip(steps, times)
+        ]
+        out[c] = points
+        log(f"  all-to-all, group of {c}: {points[-1][1] * 1e3:.3f} ms for {points[-1][0]} B/rank")
+    return out
+
+
+def fit_link_robust(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """``seconds = latency + bytes / bandwidth`` with a soft-L1 loss on relative error.
+
+    On a shared machine a burst of contention can slow every repeat of one point; the loss
+    (``f_scale`` 10%) keeps such a point from pulling the fit the way plain least squares
+    does. Starts from ``fit_link``; returns (latency, bandwidth, relative errors).
+    """
+    latency0, bandwidth0, _ = fit_link(nbytes, seconds)
+    scale = np.array([max(float(seconds.min()), 1e-9), 1.0 / max(bandwidth0, 1.0)])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        latency, per_byte = x * scale
+        return (latency + per_byte * nbytes - seconds) / seconds
+
+    x0 = np.array([latency0, 1.0 / bandwidth0]) / scale
+    sol = least_squares(
+        residuals,
+        np.maximum(x0, 1e-12),
+        bounds=([0.0, 1e-12], [np.inf, np.inf]),
+        loss="soft_l1",
+        f_scale=0.1,
+    )
+    latency, per_byte = sol.x * scale
+    return float(latency), 1.0 / float(per_byte), residuals(sol.x)
+
+
+def all_to_all_section(points: dict[int, list[tuple[int, float]]]) -> tuple[list[dict], str]:
+    """``communication.all_to_all_links`` fitted per group size (``fit_link_robust``) and the
+    provenance note that gives each fit's errors and its points."""
+    links, parts = [], []
+    for c in sorted(points):
+        nbytes = np.asarray([p[0] for p in points[c]], dtype=float)
+        secs = np.asarray([p[1] for p in points[c]])
+        latency, bandwidth, rel = fit_link_robust(nbytes, secs)
+        links.append(
+            {"group_size": c, "latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
+        )
+        measured = ", ".join(f"{int(b)} B {t * 1e3:.3f} ms" for b, t in zip(nbytes, secs))
+        parts.append(
+            f"{c}: latency {latency:.3e} s, bandwidth {bandwidth / 1e9:.3f} GB/s, relative "
+            f"error median {np.median(np.abs(rel)):.1%}, max {np.abs(rel).max():.1%}, "
+            f"{int((np.abs(rel) > 0.25).sum())} of {len(rel)} points beyond 25% (measured: "
+            f"{measured})"
+        )
+    note = (
+        "all-to-all fit (torch.distributed.all_to_all_single of float32 over contiguous blocks "
+        "of ranks, all blocks at once, median over interleaved rounds of the slowest rank; "
+        "latency + bytes per rank / bandwidth, soft-L1 on relative error; the head exchange's "
+        "own reshapes not included), "
+        "per group size: " + "; ".join(parts)
+    )
+    return links, note
 
 
 def measure(
@@ -201,7 +323,7 @@ def measure(
         world = dist.get_world_size()
         me = dist.get_rank()
         out["links"] = {}
-        sizes = [c for c in (2, 4, 8, 16, 32, 64) if c <= world and world % c == 0]
+        sizes = _group_sizes(world)
         groups = {
             c: [dist.new_group(list(range(b, b + c))) for b in range(0, world, c)] for c in sizes
         }
@@ -247,6 +369,9 @@ def measure(
                     f"  model on {n_seqs} tiny sequence(s) at cp {c}: "
                     f"{out['ring_packs'][-1][2] * 1e3:.3f} ms"
                 )
+        out["all_to_all"] = measure_all_to_all(
+            cfg, groups, dtype=dtype, device=device, repeats=repeats, sync=sync, log=log
+        )
         statuses: list = [None] * world
 
         def wave_sync() -> None:
@@ -406,6 +531,10 @@ def build_profile(
             }
         )
         wave = 0.0
+    a2a_links: list[dict] = []
+    if raw.get("all_to_all"):
+        a2a_links, a2a_note = all_to_all_section(raw["all_to_all"])
+        notes.append(a2a_note)
     run = run_context(device)
     device_name, world = run.device_name, run.processes
     data = {
@@ -432,6 +561,7 @@ def build_profile(
             "overlap": True,
             "intra_node": {"latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth},
             "inter_node": inter,
+            "all_to_all_links": a2a_links,
         },
         "overheads": {"microbatch_seconds": constant, "wave_seconds": wave},
     }
@@ -451,11 +581,74 @@ def run_context(device: torch.device) -> RunContext:
     )
 
 
+def _all_to_all_into(
+    args: argparse.Namespace, *, device: torch.device, command: str, log: Callable[[str], None]
+) -> None:
+    """Measure the all-to-all alone and write its links into an existing profile (rank 0).
+
+    Refuses a profile measured with another number of processes or threads, or of another
+    model or dtype: its other numbers describe that run, and the all-to-all must be measured
+    the same way to sit beside them.
+    """
+    profile = load_profile(args.all_to_all_into)
+    here = run_context(device)
+    run = profile.provenance.run
+    if run is None or (run.processes, run.threads_per_process) != (
+        here.processes,
+        here.threads_per_process,
+    ):
+        measured = (
+            "no run context"
+            if run is None
+            else (f"{run.processes} processes x {run.threads_per_process} threads")
+        )
+        raise ProfileError(
+            f"profile {args.all_to_all_into} was measured with {measured}; this run has "
+            f"{here.processes} processes x {here.threads_per_process} threads"
+        )
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    world, me = dist.get_world_size(), dist.get_rank()
+    groups = {
+        c: [dist.new_group(list(range(b, b + c))) for b in range(0, world, c)]
+        for c in _group_sizes(world)
+    }
+    log(f"measuring the all-to-all alone for {args.all_to_all_into}")
+    cfg, dtype = MODELS[args.model], getattr(torch, args.dtype)
+    shape = _model_shape(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    if profile.model.model_dump() != shape:
+        raise ProfileError(
+            f"profile {args.all_to_all_into} describes {profile.model.model_dump()}, not "
+            f"--model {args.model} in {args.dtype} ({shape})"
+        )
+    points = measure_all_to_all(
+        cfg, groups, dtype=dtype, device=device, repeats=args.repeats, sync=sync, log=log
+    )
+    if me != 0:
+        return
+    links, note = all_to_all_section(points)
+    data = profile.model_dump(mode="json")
+    data["communication"]["all_to_all_links"] = links
+    prov = data["provenance"]
+    prov["method"] += f"; all_to_all_links measured alone on {dt.date.today()}: {command}"
+    prov["notes"] = [*prov["notes"], note]
+    out = args.out or args.all_to_all_into
+    out.write_text(Profile.model_validate(data).to_json())
+    log(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m dyncp.cost_model.profile", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None, help="the profile to write")
+    p.add_argument(
+        "--all-to-all-into",
+        type=Path,
+        default=None,
+        metavar="PROFILE",
+        help="measure only the all-to-all (torchrun, >= 2 processes) and write its "
+        "all_to_all_links into PROFILE, every other number kept (to --out, else PROFILE)",
+    )
     p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
@@ -466,13 +659,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-seconds", type=float, default=120.0, help="measurement time budget")
     p.add_argument(
-        "--calibration-packs", type=int, default=8,
+        "--calibration-packs",
+        type=int,
+        default=8,
         help="real-length packs per CP size for the final refit (0: none)",
     )
     p.add_argument("--capacity", type=int, default=1024, help="tokens per rank of those packs")
     p.add_argument("--dataset", default="wikipedia", help="lengths those packs are drawn from")
     args = p.parse_args(argv)
+    if args.out is None and args.all_to_all_into is None:
+        p.error("--out is required (or --all-to-all-into PROFILE)")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.all_to_all_into is not None and not distributed:
+        p.error("--all-to-all-into measures between processes: run it under torchrun with >= 2")
     if distributed:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
@@ -493,6 +692,22 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(msg, file=sys.stderr, flush=True)
 
+    command = " ".join(
+        ["python -m dyncp.cost_model.profile", *(argv if argv is not None else sys.argv[1:])]
+    )
+    if distributed:
+        command = (
+            f"torchrun --nproc-per-node {dist.get_world_size()} -m dyncp.cost_model.profile "
+            + command.split(" ", 3)[-1]
+        )
+    if args.all_to_all_into is not None:
+        try:
+            _all_to_all_into(args, device=device, command=command, log=log)
+        except ProfileError as exc:
+            p.error(str(exc))
+        finally:
+            dist.destroy_process_group()
+        return
     log(f"profiling {args.model} on {args.device} ({args.dtype}), budget {args.max_seconds:.0f} s")
     raw = measure(
         MODELS[args.model],
@@ -503,14 +718,6 @@ def main(argv: list[str] | None = None) -> None:
         lengths=lengths,
         log=log,
     )
-    command = " ".join(
-        ["python -m dyncp.cost_model.profile", *(argv if argv is not None else sys.argv[1:])]
-    )
-    if distributed:
-        command = (
-            f"torchrun --nproc-per-node {dist.get_world_size()} -m dyncp.cost_model.profile "
-            + command.split(" ", 3)[-1]
-        )
     packs: list[Measurement] = []
     if args.calibration_packs > 0:
         log(f"  timing {args.calibration_packs} real-length packs per CP size for the refit")
@@ -544,9 +751,7 @@ def main(argv: list[str] | None = None) -> None:
                 min_measurements=1,
                 source=f"the profiler's {len(packs)} packs of real {args.dataset} lengths",
             )
-            profile = Profile.model_validate(
-                json.loads(fit.profile.to_json()) | {"name": name}
-            )
+            profile = Profile.model_validate(json.loads(fit.profile.to_json()) | {"name": name})
             log(
                 f"  refit to the packs: mean error {fit.error_before:.1%} -> "
                 f"{fit.error_after:.1%}, overlap {fit.overlap}"
