@@ -282,13 +282,13 @@ class CostModel:
         multiple of ``heads`` or divide it (replicated); the profile must be a ring profile
         of full attention (an all-to-all profile or a layer mix is priced at heads = 1 only).
         """
-        key = (cp, heads)
-        if key in self._splits:
-            return self._splits[key]
         if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
             raise ValueError(f"heads must be a positive integer, got {heads!r}")
         if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
             raise ValueError(f"the group size must be a positive integer, got {cp!r}")
+        key = (int(cp), int(heads))
+        if key in self._splits:
+            return self._splits[key]
         if cp % heads:
             raise ValueError(f"heads {heads} must divide the group size {cp}")
         if self.all_to_all:
