@@ -9,6 +9,13 @@ lengths are not multiples of 2c (padding rows hold large garbage). Every rank co
 outputs and dq/dk/dv on real tokens with per-sequence full attention in float64 (within 1e-10),
 and checks that padding rows get output 0 and gradient 0. The same processes check the errors
 that need process groups (window, head counts, groups the pool did not build).
+
+In the same processes the runtime trains the tiny decoder (4 query heads, 2 KV heads) through
+``execute`` on a plan mixing plain rings, all-to-all-only groups (KV heads replicated at u = 4),
+hybrid groups and single ranks in one step: the loss and the gradients summed over the ranks
+equal the whole batch on one process (fp64: loss within 1e-12, each gradient within 1e-9 of its
+largest entry); a plan whose split the pool did not build is refused on every rank before any
+ring collective.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave
 from dyncp.ring_attention import (
     HybridLayout,
     make_hybrid_layout,
@@ -33,9 +41,11 @@ from dyncp.ring_attention import (
 )
 from dyncp.ring_attention.hybrid import hybrid_token_order
 from dyncp.ring_attention.layout import pad_to
-from dyncp.runtime import GroupPool
+from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
+from dyncp.testing import microbatch_loss
 from dyncp.testing.distributed import run_gloo
 from tests.test_ring_attention import reference_attention
+from tests.test_runtime import CFG, make_model, reference, tokens_for
 
 TOL = 1e-10
 WORLD = 8
@@ -221,7 +231,62 @@ def _negatives(pool: GroupPool, rank: int) -> dict:
     return found
 
 
-def _worker(rank: int, world: int, cases: list[dict]) -> dict:
+def mixed_plan() -> StepPlan:
+    """Plain rings, all-to-all only, hybrid and single-rank groups in one step on 8 ranks."""
+    lengths = (37, 150, 9, 64, 23, 1, 2, 88, 45, 17, 5, 130, 70, 3, 11, 29)
+    topo = Topology(WORLD, 4, 256, head_sizes=(1, 2, 4), query_heads=CFG.heads,
+                    kv_heads=CFG.kv_heads)  # fmt: skip
+    mb = MicroBatch
+    waves = (
+        Wave((Group(0, 8, (mb((1,)), mb((11, 5))), heads=2),)),  # a2a2 x ring4
+        Wave(
+            (
+                Group(0, 4, (mb((7, 2)),), heads=4),  # all-to-all only, KV heads replicated
+                Group(4, 2, (mb((3,)),)),  # ring2
+                Group(6, 2, (mb((0, 6)), mb((12,))), heads=2),  # all-to-all only
+            )
+        ),
+        Wave(
+            (
+                Group(0, 4, (mb((8, 4)),), heads=2),  # a2a2 x ring2
+                Group(4, 4, (mb((9, 13)),)),  # ring4
+            )
+        ),
+        Wave((Group(0, 8, (mb((10, 14)),), heads=4),)),  # a2a4 x ring2
+        Wave((Group(0, 1, (mb((15,)),)),)),  # one rank
+    )
+    return StepPlan(topo, lengths, waves, policy="hand")
+
+
+def _train(rank: int, pool: GroupPool, plan_json: str, seed: int) -> dict:
+    plan = StepPlan.from_json(plan_json)
+    model = make_model()
+    tokens = tokens_for(list(plan.lengths), seed)
+    losses, seen = [], []
+
+    def step_fn(ctx) -> None:
+        seen.append((ctx.heads, type(ctx.layout).__name__, ctx.layout.rank == ctx.rank_in_group))
+        loss = microbatch_loss(model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids]))
+        loss.backward()
+        losses.append(loss.detach())
+
+    report = execute(plan, pool, step_fn)
+    grads = reduce_gradients(model)
+    loss = reduce_loss(losses, dtype=torch.float64)
+    return dict(loss=loss.item(), grads=grads, seen=seen,
+                timed_heads=[t.heads for t in report.timings])  # fmt: skip
+
+
+def _refused(pool_heads: tuple[int, ...], plan_json: str) -> str:
+    pool = GroupPool(head_sizes=pool_heads)
+    try:
+        execute(StepPlan.from_json(plan_json), pool, lambda ctx: None)
+    except PlanError as exc:
+        return f"{exc.rule}: {exc}"
+    return "no error"
+
+
+def _worker(rank: int, world: int, cases: list[dict], plan_json: str, seed: int) -> dict:
     pool = GroupPool(head_sizes=(1, 2, 4, 8))
     records = []
     # One split at a time; the c-blocks of the world run different cases at once.
@@ -238,14 +303,20 @@ def _worker(rank: int, world: int, cases: list[dict]) -> dict:
             assert layout.rank == index and layout.ring.cp == r
             records.append(dict(case=cid, **_run_case(case, layout)))
     negatives = _negatives(pool, rank)
+    trained = _train(rank, pool, plan_json, seed)
+    negatives["pool_without_split"] = _refused((1, 2), plan_json)
     dist.barrier()
-    return dict(records=records, negatives=negatives, created=pool.created)
+    return dict(records=records, negatives=negatives, created=pool.created, trained=trained)
+
+
+TRAIN_SEED = 7
 
 
 @pytest.fixture(scope="module")
 def spawned() -> tuple[list[dict], list[dict]]:
     cases = make_cases()
-    results = run_gloo(_worker, world=WORLD, args=(cases,), timeout=SPAWN_TIMEOUT, pg_timeout=60)
+    args = (cases, mixed_plan().to_json(), TRAIN_SEED)
+    results = run_gloo(_worker, world=WORLD, args=args, timeout=SPAWN_TIMEOUT, pg_timeout=60)
     return cases, results
 
 
@@ -288,3 +359,31 @@ def test_errors_that_need_process_groups(spawned) -> None:
         assert "head sizes [4] not allowed" in neg["big_head_size"]
         # 7 block groups + ring sub-groups: (c=4,u=2) 2 blocks x 2, (8,2) 2, (8,4) 4
         assert res["created"] == 7 + 4 + 2 + 4
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_runtime_mixing_rings_all_to_all_and_hybrid_equals_one_process(spawned) -> None:
+    _, results = spawned
+    plan = mixed_plan()
+    layouts = {g.layout_name for w in plan.waves for g in w.groups}
+    assert layouts == {"ring1", "ring2", "ring4", "a2a2", "a2a4", "a2a2xring2", "a2a2xring4",
+                       "a2a4xring2"}  # fmt: skip
+    ref_loss, ref_grads = reference(plan, TRAIN_SEED)
+    worst = 0.0
+    for rank, res in enumerate(results):
+        trained = res["trained"]
+        assert trained["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=0)
+        for name, ref in ref_grads.items():
+            err = (trained["grads"][name] - ref).abs().max().item() / ref.abs().max().item()
+            assert err <= 1e-9, (rank, name, err)  # relative to the largest gradient entry
+            worst = max(worst, err)
+        # heads == 1 runs today's RingLayout; heads > 1 a HybridLayout at the same position
+        for heads, kind, same_rank in trained["seen"]:
+            assert kind == ("RingLayout" if heads == 1 else "HybridLayout") and same_rank
+        assert trained["timed_heads"] == [h for h, _, _ in trained["seen"]]
+        assert "group-pool" in res["negatives"]["pool_without_split"]
+        assert "split heads 4 x ring 1" in res["negatives"]["pool_without_split"]
+        assert "head sizes [1, 2]" in res["negatives"]["pool_without_split"]
+    runs = sum(len(res["trained"]["seen"]) for res in results)
+    assert runs == sum(len(g.microbatches) * g.size for w in plan.waves for g in w.groups)
+    print(f"runtime: max relative gradient error {worst:.1e} over {runs} micro-batch runs")

@@ -112,6 +112,9 @@ class HybridLayout:
     cu_seqlens_local: tuple[int, ...]
     to_ring: torch.Tensor = field(compare=False, repr=False)
     from_ring: torch.Tensor = field(compare=False, repr=False)
+    _moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         u, c = self.heads, self.cp
@@ -156,6 +159,14 @@ class HybridLayout:
     def local_tokens(self) -> int:
         """Rows of the local q/k/v tensors (the zigzag shard at cp, padding included)."""
         return self.cu_seqlens_local[-1]
+
+    def orders(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(to_ring, from_ring)`` on ``device``, copied there once per layout."""
+        if self.to_ring.device == device:
+            return self.to_ring, self.from_ring
+        if device not in self._moved:
+            self._moved[device] = (self.to_ring.to(device), self.from_ring.to(device))
+        return self._moved[device]
 
     @property
     def ring_cp(self) -> int:
@@ -263,10 +274,6 @@ def _merge_heads(
     return x.new_zeros((tokens, heads, dim)).index_add_(1, index, x)
 
 
-def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return index if index.device == device else index.to(device)
-
-
 class _HeadsToRing(torch.autograd.Function):
     """Forward: scatter heads, gather tokens (one all-to-all for q, k, v), reorder to the ring
     shard. Backward: the reverse, summing the gradients of replicated KV heads."""
@@ -284,7 +291,7 @@ class _HeadsToRing(torch.autograd.Function):
         parts = [_split_heads(q, u, None), _split_heads(k, u, index), _split_heads(v, u, index)]
         widths = [p.shape[2] for p in parts]
         received = _all_to_all(torch.cat(parts, dim=2), layout.head_group)
-        rows = received.view(u * tokens, sum(widths)).index_select(0, _on(layout.to_ring, q.device))
+        rows = received.view(u * tokens, sum(widths)).index_select(0, layout.orders(q.device)[0])
         kv_local = max(k.shape[1] // u, 1)
         heads = (q.shape[1] // u, kv_local, kv_local)
         dims = (q.shape[2], k.shape[2], v.shape[2])
@@ -307,7 +314,7 @@ class _HeadsToRing(torch.autograd.Function):
             g.reshape(rows, w) if g is not None else some.new_zeros((rows, w))
             for g, w in zip(grads, widths)
         ]
-        send = torch.cat(flat, dim=1).index_select(0, _on(layout.from_ring, some.device))
+        send = torch.cat(flat, dim=1).index_select(0, layout.orders(some.device)[1])
         received = _all_to_all(send.view(u, rows // u, sum(widths)), layout.head_group)
         parts = received.split(widths, dim=2)
         dq = _merge_heads(parts[0], heads=all_heads[0], dim=dims[0], index=None)
@@ -325,7 +332,7 @@ class _RingToHeads(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, layout: HybridLayout
     ) -> torch.Tensor:
         u, rows, heads, dim = layout.heads, *out.shape
-        send = out.reshape(rows, heads * dim).index_select(0, _on(layout.from_ring, out.device))
+        send = out.reshape(rows, heads * dim).index_select(0, layout.orders(out.device)[1])
         received = _all_to_all(send.view(u, rows // u, heads * dim), layout.head_group)
         ctx.exchange = layout
         return _merge_heads(received, heads=u * heads, dim=dim, index=None).contiguous()
@@ -339,7 +346,7 @@ class _RingToHeads(torch.autograd.Function):
         u, tokens, heads, dim = layout.heads, *dout.shape
         received = _all_to_all(_split_heads(dout, u, None), layout.head_group)
         rows = received.view(u * tokens, heads // u * dim)
-        rows = rows.index_select(0, _on(layout.to_ring, dout.device))
+        rows = rows.index_select(0, layout.orders(dout.device)[0])
         return rows.view(u * tokens, heads // u, dim), None
 
 

@@ -6,7 +6,11 @@
 
 For each wave the rank finds its group and runs that group's micro-batches in order, calling
 ``step_fn(ctx)`` with a :class:`MicroBatchContext` (ring layout, sequence ids, shard helpers and
-the loss scale); ranks of one ring call it for the same micro-batches in the same order.
+the loss scale); ranks of one ring call it for the same micro-batches in the same order. A group
+split into heads x ring (``Group.heads`` = u > 1) gets a
+:class:`~dyncp.ring_attention.HybridLayout` on the pool's head and ring sub-groups instead; the
+tokens each rank holds (``ctx.shard``, ``ctx.positions``) are the same zigzag at the group's size
+whatever the split, so ``step_fn`` does not change.
 
 Loss scaling: ``ctx.loss_scale = 1 / (label tokens of the whole global batch)``. If ``step_fn``
 multiplies the *sum* of its token losses by it, the gradients summed over all DP x CP ranks are
@@ -39,8 +43,15 @@ import torch
 import torch.distributed as dist
 
 from dyncp.agreement import PlanAgreementError, PlanMismatchError, agree
-from dyncp.plan import PlanError, StepPlan, plan_digest
-from dyncp.ring_attention import RingLayout, make_ring_layout, zigzag_positions, zigzag_shard
+from dyncp.plan import Group, PlanError, StepPlan, plan_digest
+from dyncp.ring_attention import (
+    HybridLayout,
+    RingLayout,
+    make_hybrid_layout,
+    make_ring_layout,
+    zigzag_positions,
+    zigzag_shard,
+)
 from dyncp.runtime.failures import FailureBoard, is_communication_error
 from dyncp.runtime.group_pool import GroupPool
 
@@ -83,8 +94,10 @@ class MicroBatchContext:
         rank_in_group: this rank's index in the ring (which zigzag chunks it holds).
         seq_ids: the plan's sequence ids, in packing order; ``sample_ids`` their dataset rows.
         seqlens: their lengths.
-        layout: the ring-attention layout (pass it to ``ring_attention``).
+        layout: the attention layout (pass it to ``ring_attention``): a RingLayout, or a
+            HybridLayout when the group splits its heads (``heads`` > 1).
         loss_scale: multiply the summed token loss by this (see the module docstring).
+        heads: the group's head-parallel degree u (1: a plain ring).
     """
 
     step_wave: int
@@ -94,8 +107,9 @@ class MicroBatchContext:
     seq_ids: tuple[int, ...]
     sample_ids: tuple[int, ...] | None
     seqlens: tuple[int, ...]
-    layout: RingLayout
+    layout: RingLayout | HybridLayout
     loss_scale: float
+    heads: int = 1
 
     def shard(self, packed: torch.Tensor, pad_value: float = 0.0) -> torch.Tensor:
         """This rank's zigzag shard of a packed (tokens first) tensor of the micro-batch."""
@@ -110,7 +124,10 @@ class MicroBatchContext:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatchTiming:
-    """One micro-batch as this rank ran it: what the cost model needs to check its prediction."""
+    """One micro-batch as this rank ran it: what the cost model needs to check its prediction.
+
+    ``heads``: the group's head-parallel degree u (1: a plain ring of ``cp`` ranks).
+    """
 
     wave: int
     group_start: int
@@ -118,6 +135,7 @@ class MicroBatchTiming:
     seq_ids: tuple[int, ...]
     seqlens: tuple[int, ...]
     seconds: float
+    heads: int = 1
 
 
 @dataclass(slots=True)
@@ -145,14 +163,34 @@ def _check(plan: StepPlan, pool: GroupPool) -> None:
         )
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
-            if not pool.has_block(g.start, g.size):
+            if not pool.has_block(g.start, g.size, g.heads):
                 ranks = list(pool.ranks[g.start : g.start + g.size])
+                split = "" if g.heads == 1 else f" split heads {g.heads} x ring {g.ring}"
                 raise PlanError(
                     "group-pool",
-                    f"wave {w} needs a group on ranks {ranks} (size {g.size}) that the pool did "
-                    f"not build (sizes {list(pool.group_sizes)})",
+                    f"wave {w} needs a group on ranks {ranks} (size {g.size}){split} that the "
+                    f"pool did not build (sizes {list(pool.group_sizes)}, head sizes "
+                    f"{list(pool.head_sizes)})",
                     (g.start,),
                 )
+
+
+def _layout_maker(
+    group: Group, pool: GroupPool, rank: int
+) -> Callable[[tuple[int, ...]], RingLayout | HybridLayout]:
+    """Builds each micro-batch's layout on the group's pre-built groups (looked up once)."""
+    if group.heads == 1:
+        pg = pool.group(group.start, group.size)
+        return lambda seqlens: make_ring_layout(seqlens=seqlens, cp=group.size, group=pg, rank=rank)
+    head, ring = pool.hybrid_groups(group.start, group.size, group.heads)
+    return lambda seqlens: make_hybrid_layout(
+        seqlens=seqlens,
+        cp=group.size,
+        heads=group.heads,
+        head_group=head,
+        ring_group=ring,
+        rank=rank,
+    )
 
 
 def execute(
@@ -213,7 +251,7 @@ def execute(
             wave_start = time.perf_counter()
         group = next((g for g in wave.groups if g.start <= me < g.start + g.size), None)
         if group is not None:
-            pg = pool.group(group.start, group.size)
+            layout_for = _layout_maker(group, pool, pool.ranks[me])
             for mb in group.microbatches:
                 seqlens = tuple(plan.lengths[i] for i in mb.seq_ids)
                 ctx = MicroBatchContext(
@@ -226,10 +264,9 @@ def execute(
                     if plan.sample_ids is None
                     else tuple(plan.sample_ids[i] for i in mb.seq_ids),
                     seqlens=seqlens,
-                    layout=make_ring_layout(
-                        seqlens=seqlens, cp=group.size, group=pg, rank=pool.ranks[me]
-                    ),
+                    layout=layout_for(seqlens),
                     loss_scale=scale,
+                    heads=group.heads,
                 )
                 t0 = time.perf_counter()
                 try:
@@ -240,7 +277,9 @@ def execute(
                     _fail(board, pool, w, group.start, group.size, exc, time.perf_counter() - t0)
                 seconds = time.perf_counter() - t0
                 report.timings.append(
-                    MicroBatchTiming(w, group.start, group.size, mb.seq_ids, seqlens, seconds)
+                    MicroBatchTiming(
+                        w, group.start, group.size, mb.seq_ids, seqlens, seconds, group.heads
+                    )
                 )
                 report.busy_seconds += seconds
         t0 = time.perf_counter()
