@@ -210,9 +210,11 @@ def fit_link_robust(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, flo
     return float(latency), 1.0 / float(per_byte), residuals(sol.x)
 
 
-def all_to_all_section(points: dict[int, list[tuple[int, float]]]) -> tuple[list[dict], str]:
+def all_to_all_section(
+    points: dict[int, list[tuple[int, float]]], dtype: torch.dtype = torch.float32
+) -> tuple[list[dict], str]:
     """``communication.all_to_all_links`` fitted per group size (``fit_link_robust``) and the
-    provenance note that gives each fit's errors and its points."""
+    provenance note that gives each fit's errors and its points (measured in ``dtype``)."""
     links, parts = [], []
     for c in sorted(points):
         nbytes = np.asarray([p[0] for p in points[c]], dtype=float)
@@ -228,8 +230,9 @@ def all_to_all_section(points: dict[int, list[tuple[int, float]]]) -> tuple[list
             f"{int((np.abs(rel) > 0.25).sum())} of {len(rel)} points beyond 25% (measured: "
             f"{measured})"
         )
+    name = str(dtype).removeprefix("torch.")
     note = (
-        "all-to-all fit (torch.distributed.all_to_all_single of float32 over contiguous blocks "
+        f"all-to-all fit (torch.distributed.all_to_all_single of {name} over contiguous blocks "
         "of ranks, all blocks at once, median over interleaved rounds of the slowest rank; "
         "latency + bytes per rank / bandwidth, soft-L1 on relative error; the head exchange's "
         "own reshapes not included), "
@@ -533,7 +536,7 @@ def build_profile(
         wave = 0.0
     a2a_links: list[dict] = []
     if raw.get("all_to_all"):
-        a2a_links, a2a_note = all_to_all_section(raw["all_to_all"])
+        a2a_links, a2a_note = all_to_all_section(raw["all_to_all"], dtype)
         notes.append(a2a_note)
     run = run_context(device)
     device_name, world = run.device_name, run.processes
@@ -625,7 +628,7 @@ def _all_to_all_into(
     )
     if me != 0:
         return
-    links, note = all_to_all_section(points)
+    links, note = all_to_all_section(points, dtype)
     data = profile.model_dump(mode="json")
     data["communication"]["all_to_all_links"] = links
     prov = data["provenance"]
