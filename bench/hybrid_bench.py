@@ -1,0 +1,139 @@
+"""Measured through the runtime: one micro-batch as an all-to-all group and as a ring group.
+
+    python bench/hybrid_bench.py                    # 2 gloo processes, 1 thread each
+    python bench/hybrid_bench.py --packs 4096 2048,1024,512 --repeats 9
+
+On 2 gloo processes the same micro-batch (a pack of sequence lengths) runs through
+``runtime.execute`` as a group of 2 ranks split heads 2 x ring 1 (all-to-all only: each rank
+computes 2 of the 4 query heads of whole sequences) and as a plain ring of 2 (heads 1 x ring 2),
+the two interleaved repeat by repeat so that machine drift hits both alike. The model is the
+tiny decoder of the profile (``profiles/cpu-gloo``: 4 query heads, 2 KV heads, 2 layers,
+float32), forward and backward, kernel "auto". A micro-batch's time is its slowest rank's
+``MicroBatchTiming.seconds`` (what the cost model predicts), the median of ``--repeats``.
+
+Printed per pack: measured seconds of each layout, their ratio (ring / all-to-all), and the cost
+model's prediction of each (``CostModel.microbatch_seconds(2, lengths, heads=u)``) with its
+ratio, when this checkout's cost model prices head splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dyncp.cost_model import CostModel, load_profile
+from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
+from dyncp.runtime import GroupPool, execute
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
+from dyncp.testing.distributed import run_gloo
+
+WORLD = 2
+LAYOUTS = {"a2a2": 2, "ring2": 1}  # name: heads u of a group of 2 ranks
+
+
+def _plan(lengths: list[int], heads: int, cfg: TinyConfig) -> StepPlan:
+    capacity = sum(lengths) + 4 * len(lengths)  # every pack fits on one rank's shard
+    topo = Topology(
+        WORLD, WORLD, capacity, head_sizes=(1, 2), query_heads=cfg.heads, kv_heads=cfg.kv_heads
+    )
+    group = Group(0, WORLD, (MicroBatch(tuple(range(len(lengths)))),), heads=heads)
+    return StepPlan(topo, tuple(lengths), (Wave((group,)),), policy=f"heads{heads}")
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[int]]) -> list:
+    pool = GroupPool(head_sizes=(1, 2))
+    shape = load_profile(args.profile).model
+    cfg = TinyConfig(
+        vocab=shape.vocab_size, dim=shape.hidden_size, heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads, layers=shape.num_layers, ffn=shape.ffn_hidden_size,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg)
+    rows = []
+    for p, lengths in enumerate(packs):
+        gen = torch.Generator().manual_seed(p)
+        tokens = [torch.randint(0, cfg.vocab, (s,), generator=gen) for s in lengths]
+
+        def step_fn(ctx, tokens=tokens) -> None:
+            packed = torch.cat([tokens[i] for i in ctx.seq_ids])
+            microbatch_loss(model, ctx, packed, kernel="auto").backward()
+
+        plans = {name: _plan(lengths, u, cfg) for name, u in LAYOUTS.items()}
+        times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        for r in range(args.warmup + args.repeats):
+            order = list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]
+            for name in order:
+                pool.barrier()
+                report = execute(plans[name], pool, step_fn)
+                (timing,) = report.timings
+                assert timing.heads == LAYOUTS[name]
+                slowest = torch.tensor([timing.seconds], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                model.zero_grad(set_to_none=True)
+                if r >= args.warmup:
+                    times[name].append(float(slowest.item()))
+        rows.append({name: statistics.median(t) for name, t in times.items()})
+    return rows
+
+
+def _predictions(args: argparse.Namespace, packs: list[list[int]]) -> list[dict] | str:
+    model = CostModel.load(args.profile, ranks_per_node=WORLD)
+    try:
+        return [
+            {name: model.microbatch_seconds(WORLD, lengths, heads=u) for name, u in LAYOUTS.items()}
+            for lengths in packs
+        ]
+    except (TypeError, ValueError) as exc:  # a cost model without head splits
+        return f"no prediction: {exc}"
+
+
+def _pack(text: str) -> list[int]:
+    lengths = [int(x) for x in text.split(",")]
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"a pack is comma-separated lengths >= 1, got {text!r}")
+    return lengths
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="cpu-gloo")
+    p.add_argument(
+        "--packs", nargs="+", type=_pack, default=[[4096], [2048, 1024, 512, 300], [256] * 8]
+    )
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    results = run_gloo(_worker, world=WORLD, args=(args, args.packs), timeout=args.timeout)
+    measured = results[0]
+    predicted = _predictions(args, args.packs)
+    cores = os.cpu_count() or 1
+    print(
+        f"hybrid bench: {WORLD} gloo processes x 1 thread ({cores} cores), tiny decoder of "
+        f"profile {args.profile} (float32, fwd+bwd, kernel auto) through runtime.execute; "
+        f"slowest rank's micro-batch seconds, median of {args.repeats} (+{args.warmup} warm-up)"
+    )
+    head = f"{'pack':<28}{'a2a2 s':>10}{'ring2 s':>10}{'ring/a2a':>10}"
+    if not isinstance(predicted, str):
+        head += f"{'pred a2a2':>11}{'pred ring2':>11}{'pred r/a':>10}"
+    print(head)
+    for i, lengths in enumerate(args.packs):
+        m = measured[i]
+        name = ",".join(map(str, lengths))
+        name = name if len(name) <= 26 else f"{len(lengths)} seqs, {sum(lengths)} tokens"
+        line = f"{name:<28}{m['a2a2']:>10.4f}{m['ring2']:>10.4f}{m['ring2'] / m['a2a2']:>10.3f}"
+        if not isinstance(predicted, str):
+            pr = predicted[i]
+            line += f"{pr['a2a2']:>11.4f}{pr['ring2']:>11.4f}{pr['ring2'] / pr['a2a2']:>10.3f}"
+        print(line)
+    if isinstance(predicted, str):
+        print(predicted)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
