@@ -23,7 +23,7 @@ from dyncp.planner.assignment import Assignment
 from dyncp.planner.costs import SequenceCosts
 from dyncp.planner.greedy import GreedyConstructor
 from dyncp.planner.local_search import improve
-from dyncp.planner.structure import Structure, StructureSearch
+from dyncp.planner.structure import Structure, StructureSearch, _State
 
 
 @functools.cache
@@ -128,3 +128,79 @@ def test_anytime_constructor_past_its_deadline() -> None:
     full = GreedyConstructor(lengths, topo, model_for(8))
     full.best()
     assert full.tried > 1
+
+
+def test_stacked_group_priced_by_hand() -> None:
+    """Two sequences needing 4 ranks each stacked in one group of 4: the group's load is the sum
+    of their times alone, the wave's floor that load; the other group of 4 idles below it."""
+    topo = Topology(8, 8, 256)
+    model = model_for(8)
+    lengths = np.asarray([1024, 1000, 900] + [100] * 20)
+    costs = SequenceCosts(lengths, topo, model)
+    search = StructureSearch(costs, wave_overhead=0.001, pass_seconds=0.002)
+    assert search.long.tolist() == [0, 1, 2]
+    k4 = costs.index(4)
+    s = Structure((0, 1, 2), (0, 0, 0), (k4, k4, k4), (0, 0, 1))
+    a = costs.alone[k4]
+    floor = a[0] + a[1]
+    e4 = search.eff[k4]
+    cap = 4 * e4 * (floor - floor) + 4 * e4 * (floor - a[2])
+    rest = search.work - cap
+    total, levels, extra = search.levels(s)
+    if rest <= 0:
+        assert levels == pytest.approx([floor]) and not extra
+    elif rest / (8 * e4) <= 0.001 + 0.002 + rest / 8:
+        assert levels == pytest.approx([floor + rest / (8 * e4)]) and not extra
+    else:
+        assert extra and levels == pytest.approx([floor, rest / 8])
+    assert total == pytest.approx(sum(levels) + len(levels) * 0.001 + extra * 0.002)
+    assert [g[2] for g in s.groups()] == [[0, 1], [2]]
+
+
+def test_columns_stack_what_would_need_a_second_wave() -> None:
+    """Four sequences that each need 4 of 8 ranks: one group each takes two waves; packed into
+    columns at a level that holds two of them, they share one wave in two groups of two."""
+    topo = Topology(8, 8, 256)
+    lengths = np.asarray([1024] * 4 + [50] * 10)
+    costs = SequenceCosts(lengths, topo, model_for(8))
+    search = StructureSearch(costs, wave_overhead=0.001)
+    k4 = costs.index(4)
+    apart = search.start(np.full(len(lengths), k4))
+    assert max(apart.wave) == 1
+    stacked = search.columns(2.01 * costs.alone[k4, 0], tolerance=0.0)
+    assert stacked.wave == (0, 0, 0, 0) and stacked.row == (k4,) * 4
+    assert sorted(len(ids) for _, _, ids in stacked.groups()) == [2, 2]
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=batches(), tolerance=st.sampled_from([0.0, 0.3]), factor=st.floats(0.3, 3.0))
+def test_move_prices_equal_the_fluid_price(
+    case: tuple[Topology, list[int]], tolerance: float, factor: float
+) -> None:
+    """Each move is priced from per-wave sums; the structure it yields must cost exactly that
+    under ``levels`` (the full fluid price), and every applied move must lower it."""
+    topo, lengths = case
+    costs = SequenceCosts(np.asarray(lengths), topo, model_for(topo.ranks_per_node))
+    if costs.sizes[0] != 1:
+        return
+    search = StructureSearch(costs, 0.001, 0.002)
+    if not len(search.long):
+        return
+    s = search.columns(factor * costs.ideal_seconds(), tolerance)
+    state = _State(search, s)
+    assert state.cost == pytest.approx(search.levels(s)[0], rel=1e-12)
+    for _ in range(3):
+        for i in state.by_time():
+            before = state.cost
+            if state.best_move(i):
+                after = search.levels(state.structure())[0]
+                assert state.predicted == pytest.approx(after, rel=1e-9)
+                assert state.cost == pytest.approx(after, rel=1e-9) and after < before
+    out = state.structure()
+    assert sorted(out.ids) == search.long.tolist()
+    for w, k, ids in out.groups():  # every group fits its sequences and its wave fits W ranks
+        assert np.isfinite(costs.alone[k, ids]).all()
+    used = np.zeros(max(out.wave) + 1)
+    for w, k, _ in out.groups():
+        used[w] += costs.sizes[k]
+    assert (used <= topo.world).all()

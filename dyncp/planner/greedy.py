@@ -62,6 +62,12 @@ LEVEL_FACTORS = (
 )
 # Floors tried as structure-search starts, as multiples of the ideal step.
 FLOOR_FACTORS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Column packing levels tried as structure-search starts, as multiples of the ideal step, and the
+# extra rank-seconds (share) a long sequence may cost to be stacked on an existing group.
+COLUMN_FACTORS = (0.6, 0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
+STACK_TOLERANCES = (0.0, 0.1, 0.3)
+# How many starts (cheapest fluid price first) the structure search improves.
+IMPROVED_STARTS = 8
 # Share of the time to the deadline the first structure-search start may take.
 FIRST_SHARE = 0.3
 # How many of the structure search's best structures are realised as candidates.
@@ -330,35 +336,37 @@ class GreedyConstructor:
     def realise(
         self, structure: Structure, search: StructureSearch, passes: bool = True
     ) -> StepPlan:
-        """A plan of ``structure``: each long sequence its own group, short ones poured in."""
+        """A plan of ``structure``: long sequences in their groups, short ones poured in."""
         _, levels, extra = search.levels(structure)
         n_long = len(levels) - int(extra)
         wave_groups: list[list[tuple[int, list[int], float]]] = [[] for _ in range(n_long)]
-        for i, w, k in zip(structure.ids, structure.wave, structure.row):
-            wave_groups[w].append((int(self.sizes[k]), [i], float(self.seconds[k, i])))
+        for w, k, ids in structure.groups():
+            wave_groups[w].append((int(self.sizes[k]), ids, float(self.seconds[k, ids].sum())))
         wave_groups = [sorted(gs, key=lambda g: -g[0]) for gs in wave_groups]
         if extra:
             wave_groups.append([])
         return self.fill(wave_groups, search.short.tolist(), list(levels), passes)
 
     def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
-        """Plans of the best structures found from several starting size choices.
+        """Plans of the best structures found from several starts.
 
         Starts: the stretch rules, every long sequence at its cheapest and at its fastest size,
-        and floors F (multiples of the ideal step): each long sequence at its cheapest size whose
-        time alone is at most F (a plateau of equally long sequences is lowered at once, which
-        single moves cannot do). Each start is improved by single moves under the fluid price.
-        The first start's result is realised at once (``FIRST_SHARE`` of the time to the
-        deadline at most); then the cheapest other results, up to ``STRUCTURES_REALISED`` in all.
-        None when single ranks are not an allowed group size (nothing to pour short work into).
+        floors F (multiples of the ideal step: each long sequence at its cheapest size whose
+        time alone is at most F, so a plateau of equally long sequences is lowered at once,
+        which single moves cannot do), each long sequence in a group of its own; and column
+        packings (``StructureSearch.columns``) at levels ``COLUMN_FACTORS`` x the ideal step
+        and each of ``STACK_TOLERANCES``, which stack long sequences into shared groups. The
+        start the fluid model prices lowest is improved first (``FIRST_SHARE`` of the time to
+        the deadline at most) and realised at once, so an early deadline still leaves a sound
+        plan; the other starts are then improved in order of their price, and the cheapest
+        results realised, up to ``STRUCTURES_REALISED`` in all. None when single ranks are not
+        an allowed group size (nothing to pour short work into).
         """
         if self.sizes[0] != 1:
             return
-        search = StructureSearch(
-            self.costs, self.model.wave_overhead, self.model.fixed_seconds(1)
-        )
+        search = StructureSearch(self.costs, self.model.wave_overhead, self.model.fixed_seconds(1))
         rank_seconds = self.seconds * self.sizes[:, None]
-        starts = [
+        rows = [
             self.choose_sizes(1.0, 0),
             np.argmin(rank_seconds, axis=0),
             self.choose_sizes(0.5, 0),
@@ -368,25 +376,32 @@ class GreedyConstructor:
         for f in FLOOR_FACTORS:
             fits = self.alone <= f * ideal
             cost = np.where(fits, rank_seconds, np.inf)
-            rows = np.where(fits.any(axis=0), cost.argmin(axis=0), self.alone.argmin(axis=0))
-            starts.append(rows)
-        # The first start is improved for a share of the time and realised at once, so an early
-        # deadline still leaves a sound plan; the other starts then compete on fluid price.
+            rows.append(np.where(fits.any(axis=0), cost.argmin(axis=0), self.alone.argmin(axis=0)))
+        starts: dict[Structure, float] = {}
+        for r in rows:
+            s = search.start(r)
+            starts.setdefault(s, search.levels(s)[0])
+        if len(search.long) > 1:
+            for f in COLUMN_FACTORS:
+                for tolerance in STACK_TOLERANCES:
+                    s = search.columns(f * ideal, tolerance)
+                    starts.setdefault(s, search.levels(s)[0])
+        ranked = sorted(starts, key=lambda s: starts[s])  # stable: ties keep the start order
         first_stop = None
         if deadline is not None:
             now = time.perf_counter()
             first_stop = now + FIRST_SHARE * max(deadline - now, 0.0)
-        first = search.improve(search.start(starts[0]), first_stop)
+        first = search.improve(ranked[0], first_stop)
         yield self.realise(first, search, passes=False)
         yield self.realise(first, search)
         found: dict[Structure, float] = {first: search.levels(first)[0]}
-        for rows in starts[1:]:
+        for s in ranked[1:IMPROVED_STARTS]:
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-            s = search.improve(search.start(rows), deadline)
+            s = search.improve(s, deadline)
             found.setdefault(s, search.levels(s)[0])
-        ranked = [s for s in sorted(found, key=lambda s: found[s]) if s != first]
-        for s in ranked[: STRUCTURES_REALISED - 1]:
+        best = [s for s in sorted(found, key=lambda s: found[s]) if s != first]
+        for s in best[: STRUCTURES_REALISED - 1]:
             yield self.realise(s, search)
 
     def build_level(self, level: float) -> StepPlan:
