@@ -198,7 +198,7 @@ def test_move_prices_equal_the_fluid_price(
                 assert state.cost == pytest.approx(after, rel=1e-9) and after < before
     out = state.structure()
     assert sorted(out.ids) == search.long.tolist()
-    for w, k, ids in out.groups():  # every group fits its sequences and its wave fits W ranks
+    for _, k, ids in out.groups():  # every group fits its sequences and its wave fits W ranks
         assert np.isfinite(costs.alone[k, ids]).all()
     used = np.zeros(max(out.wave) + 1)
     for w, k, _ in out.groups():
