@@ -240,7 +240,10 @@ def test_all_to_all_link_rules() -> None:
     listed = model_of(_base(communication__all_to_all_links=A2A_LINKS), ranks_per_node=4)
     assert listed.all_to_all_link(2) == (5e-6, 5e7)
     assert listed.all_to_all_link(4) == (7e-6, 4e7)  # next larger listed
-    assert listed.all_to_all_link(8) == (7e-6, 4e7)
+    # 8 ranks cross nodes of 4: the slower of the listed link and the inter-node one.
+    assert listed.all_to_all_link(8) == (1e-4, 1e6 * 8 / 7)
+    in_node = model_of(_base(communication__all_to_all_links=A2A_LINKS), ranks_per_node=8)
+    assert in_node.all_to_all_link(8) == (7e-6, 4e7)
     with pytest.raises(ValueError, match=r"sizes \[2, 8\]; none covers a head group of 16"):
         listed.all_to_all_link(16)
     derived = model_of(_base(), ranks_per_node=4)

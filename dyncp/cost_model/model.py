@@ -259,20 +259,28 @@ class CostModel:
         group of ``heads`` ranks, ``link(heads)``, with bandwidth x heads / (heads - 1): each
         rank keeps 1/heads of its bytes and sends the rest at its ring link's rate, all ranks at
         once (a full-bisection switch such as NVSwitch inside a node).
+
+        A head group larger than ``ranks_per_node`` crosses nodes whatever the table says (a
+        table describes the node size it was measured on): it is priced at the slower of the
+        listed link and the one derived from the inter-node link.
         """
         if heads < 2:
             raise ValueError(f"an all-to-all needs at least 2 ranks, got {heads}")
-        if self._a2a_links:
-            size = next((s for s in sorted(self._a2a_links) if s >= heads), None)
-            if size is None:
-                raise ValueError(
-                    f"profile {self.name!r} lists all-to-all links for group sizes "
-                    f"{sorted(self._a2a_links)}; none covers a head group of {heads} ranks"
-                )
-            link = self._a2a_links[size]
-            return link.latency_seconds, link.bandwidth_bytes_per_second
-        latency, bandwidth = self.link(heads)
-        return latency, bandwidth * heads / (heads - 1)
+        derived_latency, derived_bandwidth = self.link(heads)
+        derived = (derived_latency, derived_bandwidth * heads / (heads - 1))
+        if not self._a2a_links:
+            return derived
+        size = next((s for s in sorted(self._a2a_links) if s >= heads), None)
+        if size is None:
+            raise ValueError(
+                f"profile {self.name!r} lists all-to-all links for group sizes "
+                f"{sorted(self._a2a_links)}; none covers a head group of {heads} ranks"
+            )
+        link = self._a2a_links[size]
+        listed = (link.latency_seconds, link.bandwidth_bytes_per_second)
+        if heads > self.ranks_per_node:
+            return (max(listed[0], derived[0]), min(listed[1], derived[1]))
+        return listed
 
     def head_split(self, cp: int, heads: int) -> HeadSplit:
         """The constants of a group of ``cp`` ranks split into ``heads`` x ``cp // heads``.
