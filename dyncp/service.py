@@ -45,7 +45,7 @@ from dyncp.agreement import PlanMismatchError
 from dyncp.calibration import ModelVersion, VersionedPlanner
 from dyncp.plan import PlanError, StepPlan, Topology, plan_digest
 from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
-from dyncp.planner.planner import Planner
+from dyncp.planner.planner import HYBRID_POLICY, Planner
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -103,6 +103,7 @@ def fallback_planner(planner: Planner) -> Planner:
     """The deterministic greedy planner on ``planner``'s topology and cost model.
 
     A pure function of the batch (no CP-SAT, no wall clock), so every rank computes the same plan.
+    It chooses head splits when ``planner`` does (policy ``dyncp-hybrid``).
     """
     t = planner.topology
     return Planner(
@@ -111,9 +112,12 @@ def fallback_planner(planner: Planner) -> Planner:
         ranks_per_node=t.ranks_per_node,
         capacity=t.capacity,
         group_sizes=t.group_sizes,
-        policy="dyncp",
+        policy=HYBRID_POLICY if planner.policy == HYBRID_POLICY else "dyncp",
         deterministic=True,
         cpsat=None,
+        head_sizes=t.head_sizes,
+        query_heads=t.query_heads,
+        kv_heads=t.kv_heads,
     )
 
 

@@ -152,3 +152,22 @@ def test_sim_reports_the_split_mix(capsys: pytest.CaptureFixture[str], tmp_path:
     assert "head splits:" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         sim_main(["--head-sizes", "1,3"])
+
+
+def test_fallback_and_new_model_versions_keep_the_splits() -> None:
+    from dyncp.calibration import ModelVersion, VersionedPlanner
+    from dyncp.service import check_plan, fallback_planner
+
+    p = planner("dyncp-hybrid", time_limit=0.05)
+    fallback = fallback_planner(p)
+    assert fallback.policy == "dyncp-hybrid" and fallback.topology == p.topology
+    lengths = batch(2)
+    plan = fallback.plan(lengths)
+    plan.sample_ids = tuple(range(len(lengths)))
+    check_plan(plan, topology=p.topology, sample_ids=np.arange(len(lengths)), lengths=lengths)
+    assert any(g.heads > 1 for _, g, _ in plan.microbatches())
+    # A new model version: the envelope follows the planner's new model.
+    profile = p.model.profile.model_copy(update={"linear_seconds_per_token": 1e-3})
+    moved = VersionedPlanner.rebuild(p, ModelVersion(1, profile))
+    assert moved.search_model.model is moved.model is not p.model
+    assert moved.plan(lengths).stats["model_version"] == 1

@@ -144,15 +144,12 @@ class Planner:
             int(query_heads),
             int(kv_heads),
         )
+        self._envelope: SplitEnvelope | None = None
         if policy == HYBRID_POLICY and self.topology.head_sizes == (1,):
             raise ValueError(
                 "policy 'dyncp-hybrid' chooses head splits: give head_sizes beyond (1,), "
                 "e.g. (1, 2, 4, 8)"
             )
-        # What the search and the bounds price: the cheapest split of each CP size, when any.
-        self.search_model = model if self.topology.head_sizes == (1,) else SplitEnvelope(
-            model, self.topology
-        )
         self.policy = policy
         self.time_limit = float(time_limit)
         self.deterministic = deterministic
@@ -276,6 +273,17 @@ class Planner:
             return plan, cost
         new = evaluate_plan(candidate, self._pricing)
         return (candidate, new) if new.step_seconds < cost.step_seconds else (plan, cost)
+
+    @property
+    def search_model(self) -> CostModel | SplitEnvelope:
+        """What the search and the bounds price: each CP size at its cheapest head split when
+        the topology allows splits, else the model itself. Follows ``self.model`` when it is
+        replaced (a calibrated model version)."""
+        if self.topology.head_sizes == (1,):
+            return self.model
+        if self._envelope is None or self._envelope.model is not self.model:
+            self._envelope = SplitEnvelope(self.model, self.topology)
+        return self._envelope
 
     @property
     def _pricing(self) -> CostModel:
