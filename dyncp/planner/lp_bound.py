@@ -5,50 +5,82 @@ at size c: ``alone[i, c]`` its seconds as its own micro-batch, ``r[i, c]`` the a
 lower-bound rank-seconds of the cost-model protocol (``bound_rank_seconds``), ``pad[i, c]`` its
 memory footprint (the plan contract's zigzag padding); ``F[c]`` the protocol's ``fixed_seconds``
 (what every micro-batch at c pays whatever it holds), ``o`` the wave overhead. ``LB0`` is the
-closed-form bound of ``dyncp.planner.bound``.
+closed-form bound of ``dyncp.planner.bound``. A sequence is *big* at c > 1 when
+``pad[i, c] > c C / 2``.
 
-Variables: ``y[i, c]`` in [0, 1] (sequence i runs at size c), ``n[c]`` >= 0 (micro-batches at c),
-``T`` (step seconds without one wave overhead). Minimise T subject to::
+Variables: ``y[i, c]`` in [0, 1] (sequence i runs at size c), ``n[c]`` >= 0 (micro-batches at c,
+by memory), ``m[c]`` >= 0 for c > 1 (micro-batches at c, by what the free sequences need),
+``z`` >= 0 (passes at size 1 the fixed sequences need at least), ``T`` (step seconds without one
+wave overhead). Minimise T subject to::
 
     (assign)   sum_c y[i, c] = 1                                      every sequence once
     (alone)    T >= sum_c alone[i, c] y[i, c]                          its micro-batch, whole
     (memory)   c C n[c] >= sum_i pad[i, c] y[i, c]                     capacity per rank per pass
     (area)     W T >= sum_{i,c} r[i, c] y[i, c] + sum_c c F[c] n[c]    the busiest rank >= mean
     (active)   W T >= sum_{i,c} r[i, c] y[i, c] + sum_c c (F[c] - F[1]) n[c] + W F[1]
-    (big)      W T >= sum_{c > 1, i big at c} c alone[i, c] y[i, c]    big: pad[i, c] > c C / 2
+    (big)      W T >= sum_{c > 1, i big at c} c alone[i, c] y[i, c]
     (old)      T >= LB0 - o
+    (exists)   m[c] >= y[i, c]  (free i);   m[c] >= sum_{free i big at c} y[i, c];
+               c C m[c] >= sum_{free i} pad[i, c] y[i, c]                         (c > 1)
+    (spill)    C z >= tokens of the fixed sequences - sum_{c > 1} (c C m[c] - sum_{free i}
+               pad[i, c] y[i, c])
+    (count)    W T >= sum_{i,c} r[i, c] y[i, c] + sum_{c > 1} c F[c] m[c]
+               + F[1] (sum_{free i} pad[i, 1] y[i, 1] / C + z)
 
 and report ``T + o``. Sequences that no constraint can favour at another size -- minimum size 1,
 cheapest ``r`` at size 1, ``alone`` at size 1 within LB0 - o -- are fixed at size 1 and enter as
-constants, so the LP has a few dozen sequences, not thousands.
+constants (their ``r`` and tokens), so the LP has a few dozen sequences, not thousands.
 
-Why it is a lower bound (a valid plan P of S step seconds gives a feasible point with T = S - o):
+The LP is solved once per size of the *top* sequence (the free one with the longest best time
+alone), with its ``y`` fixed to that size, and the least value is reported: fractional sizes let
+a relaxation run the top sequence partly on a small group (cheap rank-seconds) and partly on a
+large one (short time alone), which no plan can. A size whose closed-form value (its time alone,
+or the mean busy time with the top sequence there and every other at its cheapest ``r``) already
+reaches the least LP value found is skipped: its LP value is at least that.
+
+Why it is a lower bound (a valid plan P of S step seconds, running the top sequence at c*, gives
+a feasible point of the LP of branch c* with T = S - o):
 
 - y = P's sizes (one per sequence); n[c] = the fractional count its tokens need, which is at most
-  P's real count (each P micro-batch holds at most c C padded tokens: memory);
+  P's real count N[c] (each P micro-batch holds at most c C padded tokens: memory);
 - P has waves with levels M_w (slowest group) and S = sum_w (M_w + o) >= sum_w M_w + o, so T =
   S - o >= sum_w M_w. A sequence's micro-batch lies inside one wave: T >= its time >= alone
   (the protocol: adding sequences never makes a micro-batch faster);
 - every rank's busy time is at most sum_w M_w <= T. Busy time sums, over the rank's micro-batches,
   ``microbatch_seconds >= F[c] + sum r / c`` (protocol contract 2), so the ranks' total is at least
-  sum r + sum_c c F[c] n[c] (area). With U <= W ranks busy and k >= U micro-batch-rank slots, the
+  sum r + sum_c c F[c] N[c] (area). With U <= W ranks busy and k >= U micro-batch-rank slots, the
   busiest rank has at least (sum r + extra + F[1] max(U, k)) / U >= (sum r + extra) / W + F[1]
   (active), where extra = sum_c c (F[c] - F[1]) n[c] and F[c] >= F[1];
 - a big sequence fills more than half a micro-batch, so two never share one: their micro-batches
   are distinct, each holds c ranks for at least ``alone``, and groups running at the same time are
   disjoint, so these rank-seconds fit in W T (big);
 - LB0 is a valid bound (its own proof) and S >= LB0;
-- fixing a sequence at size 1 keeps P's point feasible: moving it there lowers or keeps every left
-  side (r, pad and F are smallest at size 1; its ``alone`` there is within LB0 - o <= T; the big
-  row only counts c > 1).
+- (exists, spill, count) speak of P as it is, wherever P runs the fixed sequences: with m[c] =
+  the largest of the three right-hand sides of (exists), m[c] <= N[c], since P has a micro-batch
+  at c when any sequence runs there, one per big sequence there, and enough for the free
+  sequences' tokens. P's micro-batches at c > 1 beyond m[c] number d[c] = N[c] - m[c] >= 0. The
+  fixed sequences' tokens (at least their lengths, ``pad`` at size 1) that P runs at c > 1 fit in
+  the room its micro-batches there leave, c C N[c] - sum_{free} pad[i, c] y[i, c]; the rest run
+  at size 1, so C N[1] >= free tokens at 1 + C z - C sum_{c > 1} c d[c], with z the (spill)
+  minimum (clamped at 0, where N[1] >= free tokens at 1 / C alone serves). The ranks' total is
+  at least sum r + sum_{c > 1} c F[c] (m[c] + d[c]) + F[1] N[1]; as F[c] >= F[1], the d[c]
+  terms cancel what they take from N[1], leaving the right-hand side of (count). Sum r over P's
+  sizes is at least the LP's, which charges the fixed sequences their r at size 1, their least;
+- fixing a sequence at size 1 keeps P's point feasible for the other rows: moving it there lowers
+  or keeps every left side (r, pad and F are smallest at size 1; its ``alone`` there is within
+  LB0 - o <= T; the big row only counts c > 1; (exists, spill, count) do not move it);
+- P runs the top sequence at one size c*, so the LP of branch c* is at most S - o, and the
+  reported minimum over branches is too; a skipped branch's closed form is a bound of its own
+  (LB0's argument for one sequence at one size) that is at least the minimum reported.
 
-So the LP optimum is at most S - o for every plan. The value reported is not GLOP's objective but
-the Lagrangian bound of its dual solution evaluated in float64 over explicit variable boxes (each
-containing the point above: T <= the serial plan's seconds, n[c] <= all tokens at c), valid for any
-multipliers, so solver tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
+So the reported value is at most S for every plan. It is not GLOP's objective but the Lagrangian
+bound of its dual solution evaluated in float64 over explicit variable boxes (each containing
+the point above: T <= the serial plan's seconds, n[c] <= all tokens at c, m[c] <= that plus the
+number of free sequences, z <= the fixed tokens / C), valid for any multipliers, so solver
+tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
 
-Cost: about 5-15 ms per 512-sequence step here (build + solve); the simulator computes it every
-step; the plan service may skip it (``Planner(bound="simple")``).
+Cost: about 5-20 ms per 512-sequence step here (build + one to three solves); the simulator
+computes it every step; the plan service may skip it (``Planner(bound="simple")``).
 """
 
 from __future__ import annotations
@@ -116,10 +148,12 @@ def lp_lower_bound(
     const_r = float(r[one, short].sum()) if one is not None else 0.0
     const_tokens = float(pad[one, short].sum()) if one is not None else 0.0
 
-    # Variable layout: [T] + y[(i, k) pairs] + n[k].
+    # Variable layout: [T] + y[(i, k) pairs] + n[k] + m[k of c > 1] + z.
     pairs = [(j, k) for j, i in enumerate(free.tolist()) for k, c in enumerate(sizes) if m[i] <= c]
     ny, ns = len(pairs), len(sizes)
-    nv = 1 + ny + ns
+    ring = [k for k, c in enumerate(sizes) if c > 1]
+    nm = len(ring)
+    nv = 1 + ny + ns + nm + 1
     pj = np.asarray([p[0] for p in pairs], dtype=np.int64)
     pk = np.asarray([p[1] for p in pairs], dtype=np.int64)
     pi = free[pj] if ny else np.zeros(0, dtype=np.int64)
@@ -131,6 +165,8 @@ def lp_lower_bound(
     big = (ycs > 1) & (yp > ycs * cap / 2)
     iy = 1 + np.arange(ny)
     i_n = 1 + ny + np.arange(ns)
+    i_m = {k: 1 + ny + ns + q for q, k in enumerate(ring)}
+    i_z = nv - 1
     n_upper = (pad.sum(axis=1) / (csz * cap)) + 1.0
     t_upper = float(alone.min(axis=0).sum()) + n_all * wo + lb0
 
@@ -160,25 +196,69 @@ def lp_lower_bound(
     bsel = np.flatnonzero(big)
     add(np.r_[0, iy[bsel]], np.r_[float(w), -(ycs * ya)[bsel]], 0.0, np.inf)  # big
     add(np.asarray([0]), np.asarray([1.0]), lb0 - wo, np.inf)  # old
+    spill_idx, spill_coef = [i_z], [float(cap)]
+    for k in ring:  # exists
+        sel = np.flatnonzero(pk == k)
+        for q in sel.tolist():
+            add(np.asarray([i_m[k], iy[q]]), np.asarray([1.0, -1.0]), 0.0, np.inf)
+        bk = sel[big[sel]]
+        if len(bk) > 1:
+            add(np.r_[i_m[k], iy[bk]], np.r_[1.0, -np.ones(len(bk))], 0.0, np.inf)
+        add(np.r_[i_m[k], iy[sel]], np.r_[csz[k] * cap, -yp[sel]], 0.0, np.inf)
+        spill_idx += [i_m[k], *iy[sel].tolist()]
+        spill_coef += [csz[k] * cap, *(-yp[sel]).tolist()]
+    add(np.asarray(spill_idx), np.asarray(spill_coef), const_tokens, np.inf)  # spill
+    at_one = np.flatnonzero(pk == one) if one is not None else np.zeros(0, np.int64)
+    count_coef = np.zeros(nv)
+    count_coef[0] = float(w)
+    count_coef[iy] = -yr
+    count_coef[iy[at_one]] -= f1 * yp[at_one] / cap
+    for k in ring:
+        count_coef[i_m[k]] = -csz[k] * fixed[k]
+    count_coef[i_z] = -f1
+    nz = np.flatnonzero(count_coef)
+    add(nz, count_coef[nz], const_r, np.inf)  # count
 
     a = sp.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), nv)
     )
-    var_lo = np.zeros(nv)
-    var_hi = np.r_[t_upper, np.ones(ny), n_upper]
+    var_hi = np.r_[t_upper, np.ones(ny), n_upper, n_upper[ring] + nf, const_tokens / cap]
     obj = np.zeros(nv)
     obj[0] = 1.0
     lo_a, hi_a = np.asarray(lo), np.asarray(hi)
-    lp = mb.Model()
-    lp.helper.fill_model_from_sparse_data(var_lo, var_hi, obj, lo_a, hi_a, a)
-    solver = mb.Solver("glop")
-    status = solver.solve(lp)
-    name = status.name
-    if status != mb.SolveStatus.OPTIMAL:
-        return LpBound(lb0, lb0, name, nf, time.perf_counter() - start)
-    duals = np.asarray(solver.dual_values(lp.get_linear_constraints()), dtype=np.float64)
-    value = _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, var_hi)
-    return LpBound(max(value + wo, lb0), lb0, name, nf, time.perf_counter() - start)
+
+    # One LP per size of the top sequence, cheapest closed form first (module docstring).
+    if nf:
+        top = int(np.argmax(alone[:, free].min(axis=0)))
+        options = np.flatnonzero(pj == top)
+        rmin = r.min(axis=0)
+        spread = (rmin.sum() - rmin[free[top]] + yr[options]) / w
+        closed = np.maximum(ya[options], spread) + wo
+    else:  # nothing to branch on: one LP
+        options, closed = np.zeros(1, np.int64), np.zeros(1)
+    best = np.inf
+    name = "OPTIMAL"
+    for q in np.argsort(closed, kind="stable").tolist():
+        if closed[q] >= best:
+            break
+        var_lo = np.zeros(nv)
+        hi_q = var_hi.copy()
+        if nf:
+            hi_q[iy[options]] = 0.0
+            var_lo[iy[options[q]]] = hi_q[iy[options[q]]] = 1.0
+        lp = mb.Model()
+        lp.helper.fill_model_from_sparse_data(var_lo, hi_q, obj, lo_a, hi_a, a)
+        solver = mb.Solver("glop")
+        status = solver.solve(lp)
+        if status == mb.SolveStatus.INFEASIBLE:
+            continue
+        if status != mb.SolveStatus.OPTIMAL:
+            return LpBound(lb0, lb0, status.name, nf, time.perf_counter() - start)
+        duals = np.asarray(solver.dual_values(lp.get_linear_constraints()), dtype=np.float64)
+        best = min(best, _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo)
+    if not np.isfinite(best):
+        return LpBound(lb0, lb0, "INFEASIBLE", nf, time.perf_counter() - start)
+    return LpBound(max(best, lb0), lb0, name, nf, time.perf_counter() - start)
 
 
 def _lagrangian(
