@@ -171,3 +171,32 @@ def test_fallback_and_new_model_versions_keep_the_splits() -> None:
     moved = VersionedPlanner.rebuild(p, ModelVersion(1, profile))
     assert moved.search_model.model is moved.model is not p.model
     assert moved.plan(lengths).stats["model_version"] == 1
+
+
+def test_split_microbatches_stay_out_of_the_refit() -> None:
+    from dyncp.plan import Group, MicroBatch, Topology
+    from dyncp.runtime.executor import MicroBatchTiming, RankReport
+    from dyncp.runtime.measure import step_measurements
+
+    topo = Topology(4, 4, 1000, head_sizes=(1, 2), query_heads=4, kv_heads=2)
+    plan = StepPlan(
+        topology=topo,
+        lengths=(1500, 900, 300),
+        waves=(
+            Wave((Group(0, 2, (MicroBatch((0,)),), heads=2), Group(2, 2, (MicroBatch((1,)),)))),
+            Wave((Group(0, 4, (MicroBatch((2,)),)),)),
+        ),
+    )
+    plan.validate()
+    reports = []
+    for rank in range(4):
+        first = (0, 0, 2, (0,), (1500,), 0.3, 2) if rank < 2 else (0, 2, 2, (1,), (900,), 0.2, 1)
+        reports.append(
+            RankReport(
+                timings=[MicroBatchTiming(*first), MicroBatchTiming(1, 0, 4, (2,), (300,), 0.1)],
+                wave_seconds=[0.35, 0.12],
+            )
+        )
+    mbs, waves = step_measurements(plan, reports)
+    assert [(m.cp, m.lengths) for m in mbs] == [(2, (900,)), (4, (300,))]
+    assert waves[0].busy_seconds == pytest.approx(0.3)  # the split group still sets the wave
