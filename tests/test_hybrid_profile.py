@@ -35,7 +35,7 @@ def test_all_to_all_fit_recovers_latency_and_bandwidth() -> None:
     assert links[0]["bandwidth_bytes_per_second"] == pytest.approx(4e9, rel=1e-6)
     assert links[1]["latency_seconds"] == pytest.approx(3e-4, rel=1e-6)
     assert links[1]["bandwidth_bytes_per_second"] == pytest.approx(2e9, rel=1e-6)
-    assert "0 of 8 points beyond 25%" in note and "all_to_all_single" in note
+    assert "0 of 8 points beyond 25%" in note and "head exchange" in note
 
 
 def test_robust_fit_ignores_one_slowed_point() -> None:
@@ -87,7 +87,8 @@ def _measure_worker(rank: int, world: int) -> list[tuple[int, float]]:
 def test_all_to_all_is_measured_on_two_gloo_ranks() -> None:
     first, second = run_gloo(_measure_worker, world=2, timeout=120)
     cfg = MODELS["tiny"]
-    per_token = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim * 4
+    # A point is one of the four exchanges: half of a token's q, k, v and output bytes.
+    per_token = (2 * cfg.heads + 2 * max(cfg.kv_heads, 2)) * cfg.head_dim * 4 // 2
     assert [b for b, _ in first] == [64 * per_token, 1024 * per_token]
     assert first == second  # every rank reports the slowest rank's median
     assert all(0 < t < 5.0 for _, t in first)

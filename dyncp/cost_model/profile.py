@@ -143,44 +143,67 @@ def measure_all_to_all(
     log: Callable[[str], None],
     tokens: tuple[int, ...] = ALL_TO_ALL_TOKENS,
 ) -> dict[int, list[tuple[int, float]]]:
-    """(bytes each rank holds, seconds) of ``all_to_all_single`` per group size.
+    """(bytes each rank holds per exchange, seconds per exchange) of the runtime's head exchange.
 
-    Each rank holds the q, k and v of ``tokens`` tokens of ``cfg`` (heads + 2 KV heads, in
-    ``dtype``): the sizes the head exchange of that model moves. ``groups[c]`` lists the
-    process groups of the contiguous blocks of c ranks (a head group is such a block); every
-    block exchanges at once, as all head groups of a step do. The median over ``repeats`` of
-    the slowest rank's time is kept, as ``_median_seconds`` does.
+    What is timed is what a hybrid group runs per layer around its attention: q, k and v of
+    ``tokens`` local tokens of ``cfg`` sent to the ring layout (``heads_to_ring``: one fused
+    ``all_to_all_single`` plus the reshapes and the token reordering), the output sent back
+    (``ring_to_heads``), and the backward of both: the four exchanges the cost model prices
+    (``4 latency + 2 b tokens / bandwidth`` with ``b`` the q, k, v and output bytes of a token).
+    A point is therefore (``b x tokens / 2`` bytes, a quarter of the measured seconds), so that
+    ``latency + bytes / bandwidth`` fitted to the points is one exchange's link. The head group
+    is a contiguous block of c ranks, all blocks exchanging at once, with heads = c (no ring).
+    The median over ``repeats`` of the slowest rank's time is kept.
     """
+    from dyncp.ring_attention.hybrid import heads_to_ring, make_hybrid_layout, ring_to_heads
+
     me = dist.get_rank()
-    per_token = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     out: dict[int, list[tuple[int, float]]] = {}
     for c, blocks in sorted(groups.items()):
+        if cfg.heads % c or (cfg.kv_heads % c and c % cfg.kv_heads):
+            log(f"  head exchange over {c} ranks: skipped ({cfg.heads}/{cfg.kv_heads} heads)")
+            continue
+        # q, k, v and the output of a token; KV heads fewer than c are sent as replicas.
+        held = max(cfg.kv_heads, c)
+        b = 2 * (cfg.heads + held) * cfg.head_dim * torch.finfo(dtype).bits // 8
         group = blocks[me // c]
         steps = []
         for n in tokens:
-            numel = -(-n * per_token // c) * c  # an equal split per peer
-            send = torch.ones(numel, dtype=dtype, device=device)
-            steps.append((send, torch.empty_like(send)))
+            layout = make_hybrid_layout(
+                seqlens=[n * c], cp=c, heads=c, head_group=group, ring_group=None, device=device
+            )
+            local = layout.local_tokens
+            q = torch.randn(local, cfg.heads, cfg.head_dim, dtype=dtype, device=device)
+            k = torch.randn(local, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            steps.append((layout, q, k, torch.randn_like(k)))
+
+        def exchange(layout, q, k, v) -> None:  # noqa: ANN001 - local helper
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            rq, rk, rv = heads_to_ring(q, k, v, layout)
+            back = ring_to_heads(rq + 0.0 * (rk.sum() + rv.sum()), layout)
+            back.sum().backward()
+
         # Rounds over all sizes (not all repeats of one size in a row): a burst of contention
         # on a shared machine then slows one round of every size instead of one size's median.
         times: list[list[float]] = [[] for _ in steps]
         for round_ in range(repeats + 1):
-            for i, (send, recv) in enumerate(steps):
+            for i, step in enumerate(steps):
                 dist.barrier()
                 sync()
                 t0 = time.perf_counter()
-                dist.all_to_all_single(recv, send, group=group)
+                exchange(*step)
                 sync()
                 slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 if round_ > 0:  # round 0 warms up
                     times[i].append(float(slowest.item()))
         points = [
-            (send.numel() * send.element_size(), statistics.median(t))
-            for (send, _), t in zip(steps, times)
+            (b * layout.local_tokens // 2, statistics.median(t) / 4)
+            for (layout, *_), t in zip(steps, times)
         ]
         out[c] = points
-        log(f"  all-to-all, group of {c}: {points[-1][1] * 1e3:.3f} ms for {points[-1][0]} B/rank")
+        log(f"  head exchange, group of {c}: {points[-1][1] * 1e3:.3f} ms per exchange for "
+            f"{points[-1][0]} B/rank")  # fmt: skip
     return out
 
 
@@ -232,10 +255,10 @@ def all_to_all_section(
         )
     name = str(dtype).removeprefix("torch.")
     note = (
-        f"all-to-all fit (torch.distributed.all_to_all_single of {name} over contiguous blocks "
-        "of ranks, all blocks at once, median over interleaved rounds of the slowest rank; "
-        "latency + bytes per rank / bandwidth, soft-L1 on relative error; the head exchange's "
-        "own reshapes not included), "
+        f"all-to-all fit (the runtime's head exchange of {name}: q|k|v to the ring layout and "
+        "the output back, forward and backward, timed together and counted as four exchanges; "
+        "contiguous blocks of ranks, all blocks at once, median over interleaved rounds of the "
+        "slowest rank; latency + bytes per rank / bandwidth, soft-L1 on relative error), "
         "per group size: " + "; ".join(parts)
     )
     return links, note
