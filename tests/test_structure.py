@@ -42,7 +42,8 @@ def batches(draw: st.DrawFn, max_size: int = 40) -> tuple[Topology, list[int]]:
 def test_fluid_levels_by_hand() -> None:
     """8 ranks; one long sequence on 4 of them: its time alone is the floor, the 4 free ranks hold
     4 x floor of short work, its own group the idle time at its efficiency; the rest raises the
-    wave at slope 4 + 4 e, or opens a wave of 8 singles, whichever is cheaper."""
+    wave at slope 4 + 4 e, or opens a wave of 8 singles, whichever is cheaper. Short work costs
+    its table seconds plus its token share of the fixed cost of a pass."""
     topo = Topology(8, 8, 256)
     model = model_for(8)
     lengths = np.asarray([1024] + [200] * 30)
@@ -54,7 +55,9 @@ def test_fluid_levels_by_hand() -> None:
     total, levels, extra = search.levels(s)
     floor = costs.alone[k4, 0]
     e4 = search.eff[k4]
-    work = float(costs.seconds[0, 1:].sum())
+    # Short work: its CP-1 seconds plus its token share of every pass's fixed cost.
+    share = lengths[1:] / topo.capacity * (model.fixed_seconds(1) - model.microbatch_overhead)
+    work = float((costs.seconds[0, 1:] + share).sum())
     rest = work - 4 * floor
     raise_cost, new_wave = rest / (4 + 4 * e4), 0.001 + 0.002 + rest / 8
     assert rest > 0

@@ -74,6 +74,7 @@ FIRST_SHARE = 0.3
 STRUCTURES_REALISED = 3
 # Share of the time to the deadline spent pricing candidates; the local search gets the rest.
 CANDIDATE_SHARE = 0.85
+RING_FIRST = True
 # How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
 EARLY_LEVELS = 5
 
@@ -246,6 +247,7 @@ class GreedyConstructor:
         sand: list[int],
         targets: list[float],
         passes: bool = True,
+        eff: np.ndarray | None = None,
     ) -> StepPlan:
         """Pour the CP-1 sequences into the waves up to ``targets`` and realise the plan.
 
@@ -295,13 +297,30 @@ class GreedyConstructor:
                 j = len(slot_size)
                 slot_size.append(size)
                 slot_items.append(list(members))
-                slot_marg.append(float(marg[row, members].sum()))
                 slot_tokens.append(float(pad[row, members].sum()))
+                # A long group starts at its members' exact times alone (ring communication the
+                # additive tables leave out), never below their marginal seconds.
+                passes_now = fixed[row] * max(1.0, slot_tokens[j] / unit[row, 0])
+                exact = float(self.alone[row, members].sum()) - passes_now
+                slot_marg.append(max(float(marg[row, members].sum()), exact))
                 load = 0.0
                 if members:
                     load = slot_marg[j] + fixed[row] * max(1.0, slot_tokens[j] / unit[row, 0])
                 level[w] = max(level[w], load)
                 classes.setdefault((w, row), []).append((load, j))
+        slot_wave = [
+            w
+            for w, gs in enumerate(wave_groups)
+            for _ in range(world - sum(g[0] for g in gs) + len(gs))
+        ]
+        sand = self._fill_rings(
+            sand,
+            (slot_size, slot_items, slot_marg, slot_tokens, slot_wave),
+            classes,
+            level,
+            (marg, pad, fixed, unit),
+            eff,
+        )
         for heap in classes.values():
             heapq.heapify(heap)
         keys = sorted(classes)
@@ -333,6 +352,72 @@ class GreedyConstructor:
                 j += 1
         return self.assemble(specs)
 
+    def _fill_rings(
+        self,
+        sand: list[int],
+        slots: tuple[list[int], list[list[int]], list[float], list[float], list[int]],
+        classes: dict[tuple[int, int], list[tuple[float, int]]],
+        level: list[float],
+        tables: tuple[np.ndarray, np.ndarray, list[float], np.ndarray],
+        eff: np.ndarray | None,
+    ) -> list[int]:
+        """Pour into the long groups' room below their wave's level, longest first, the short
+        sequences that run there at least as efficiently as the fluid model assumed (``eff``:
+        CP-1 seconds per rank-second on c ranks, averaged over all short work), each into the
+        group it fills most tightly; the others are returned, in the order given.
+
+        A ring's room is otherwise idle, and the longest short sequences are both the ones a
+        ring runs best and the hardest to place evenly elsewhere.
+        """
+        slot_size, slot_items, slot_marg, slot_tokens, slot_wave = slots
+        marg, pad, fixed, unit = tables
+        rings = [j for j, c in enumerate(slot_size) if c > 1 and slot_items[j]]
+        if eff is None or not rings or not sand:
+            return sand
+        pool = np.asarray(sand, dtype=np.int64)
+        rows = np.asarray([self.costs.index(slot_size[j]) for j in rings])
+        waves = np.asarray([slot_wave[j] for j in rings])
+        loads = np.asarray(
+            [
+                slot_marg[j] + fixed[r] * max(1.0, slot_tokens[j] / unit[r, 0])
+                for j, r in zip(rings, rows)
+            ]
+        )
+        room = np.asarray(level)[waves] - loads
+        sizes = self.sizes[rows]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            good = (
+                self.seconds[rows][:, pool] * sizes[:, None] * eff[rows][:, None]
+                <= (self.seconds[0, pool][None, :])
+            )
+        left: list[int] = []
+        for q in np.argsort(-self.seconds[0, pool], kind="stable").tolist():
+            i = int(pool[q])
+            ok = np.flatnonzero(good[:, q] & (room > 0))
+            if len(ok):
+                r = rows[ok]
+                tokens = np.asarray([slot_tokens[rings[x]] for x in ok]) + pad[r, i]
+                margs = np.asarray([slot_marg[rings[x]] for x in ok]) + marg[r, i]
+                new = margs + np.asarray(fixed)[r] * np.maximum(1.0, tokens / unit[r, 0])
+                after = np.asarray(level)[waves[ok]] - new
+                fits = np.flatnonzero(after >= 0)
+                if len(fits):
+                    x = int(ok[fits[np.argmin(after[fits])]])
+                    j = rings[x]
+                    slot_items[j].append(i)
+                    slot_marg[j] += marg[rows[x], i]
+                    slot_tokens[j] += pad[rows[x], i]
+                    load = slot_marg[j] + fixed[rows[x]] * max(
+                        1.0, slot_tokens[j] / unit[rows[x], 0]
+                    )
+                    room[x] = level[waves[x]] - load
+                    heap = classes[(int(waves[x]), int(rows[x]))]
+                    heap[:] = [(load if jj == j else v, jj) for v, jj in heap]
+                    continue
+            left.append(i)
+        order = {i: n for n, i in enumerate(sand)}
+        return sorted(left, key=order.__getitem__)
+
     def realise(
         self, structure: Structure, search: StructureSearch, passes: bool = True
     ) -> StepPlan:
@@ -345,7 +430,8 @@ class GreedyConstructor:
         wave_groups = [sorted(gs, key=lambda g: -g[0]) for gs in wave_groups]
         if extra:
             wave_groups.append([])
-        return self.fill(wave_groups, search.short.tolist(), list(levels), passes)
+        eff = search.eff if RING_FIRST else None
+        return self.fill(wave_groups, search.short.tolist(), list(levels), passes, eff)
 
     def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
         """Plans of the best structures found from several starts.

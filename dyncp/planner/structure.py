@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dyncp.cost_model.model import CostModel
 from dyncp.planner.costs import SequenceCosts
 
 __all__ = ["Structure", "StructureSearch", "LONG_SHARE"]
@@ -99,14 +100,23 @@ class StructureSearch:
         short = np.ones(n, dtype=bool)
         short[self.long] = False
         self.short = np.flatnonzero(short)
-        self.work = float(costs.seconds[0, self.short].sum()) if sizes[0] == 1 else 0.0
+        # Short work at size c costs its marginal seconds plus its token share of the fixed
+        # cost of every pass at c (``fixed_seconds``: the per-micro-batch constant and the
+        # per-step kernel and latency costs); the tables charge only the first.
+        share = np.zeros((len(sizes), len(self.short)))
+        model = costs.model
+        for k, c in enumerate(sizes.tolist()):
+            ok = costs.min_cp[self.short] <= c
+            pad = CostModel.padded(c, costs.lengths[self.short[ok]]) / (c * costs.topology.capacity)
+            share[k, ok] = pad * (model.fixed_seconds(c) - model.microbatch_overhead)
+        fluid = costs.seconds[:, self.short] + share
+        self.work = float(fluid[0].sum()) if sizes[0] == 1 else 0.0
         # Efficiency of short work on a group of c ranks: CP-1 seconds per rank-second there.
         self.eff = np.zeros(len(sizes))
         if len(self.short) and sizes[0] == 1:
-            base = costs.seconds[0, self.short].sum()
             for k, c in enumerate(sizes.tolist()):
-                dear = (costs.seconds[k, self.short] * c).sum()
-                self.eff[k] = base / dear if dear > 0 else 0.0
+                dear = (fluid[k] * c).sum()
+                self.eff[k] = self.work / dear if dear > 0 else 0.0
         self.alone = costs.alone
         self._size = [int(c) for c in sizes.tolist()]
         self._rate = [float(c * e) for c, e in zip(sizes.tolist(), self.eff.tolist())]
