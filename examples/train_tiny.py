@@ -57,7 +57,13 @@ def main() -> None:
     p.add_argument("--calibrate", action="store_true", help="refit the cost model while training")
     p.add_argument("--refit-every", type=int, default=32, help="micro-batches between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
+    p.add_argument(
+        "--head-sizes",
+        default="1",
+        help="head-parallel degrees a group may split into, e.g. 1,2 (policy dyncp-hybrid)",
+    )
     args = p.parse_args()
+    head_sizes = tuple(int(u) for u in args.head_sizes.split(","))
 
     dist.init_process_group(args.backend)
     if args.profile is None:
@@ -72,7 +78,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    pool = GroupPool()
+    pool = GroupPool(head_sizes=head_sizes)
     model_cost = CostModel.load(args.profile, ranks_per_node=per_node)
     planner = Planner(
         model_cost,
@@ -81,6 +87,8 @@ def main() -> None:
         capacity=args.capacity,
         deterministic=True,
         cpsat=None,
+        policy="dyncp" if head_sizes == (1,) else "dyncp-hybrid",
+        head_sizes=head_sizes,
     )  # identical on every rank
     calibration = None
     if args.calibrate:
@@ -156,10 +164,10 @@ def main() -> None:
             )
         if rank == 0:
             st = plan.stats
-            sizes = sorted(set(plan.cp_of_sequences().values()))
+            sizes = sorted({g.layout_name for _, g, _ in plan.microbatches()})
             print(
                 f"step {step}: loss {loss.item():.4f}  docs {len(batch)}  waves {st['waves']}  "
-                f"cp sizes {sizes}  measured {seconds:.3f} s  "
+                f"groups {sizes}  measured {seconds:.3f} s  "
                 f"predicted {st['predicted_step_seconds']:.3f} s ({args.profile} "
                 f"v{st.get('model_version', 0)})  imbalance "
                 f"measured {busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"
