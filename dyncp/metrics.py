@@ -251,6 +251,13 @@ class Metrics:
         self.tokens = Counter(
             "dyncp_tokens", "Real (unpadded) tokens planned, by CP size.", pcs, registry=r
         )
+        self.layout_sequences = Counter(
+            "dyncp_layout_sequences",
+            "Sequences planned, by group layout: ring<c>, a2a<u> (heads exchanged by all-to-all "
+            "over u ranks), a2a<u>xring<r> (both).",
+            ("policy", "layout"),
+            registry=r,
+        )
         self.padding_tokens = Counter(
             "dyncp_padding_tokens",
             "Zigzag padding tokens (each sequence padded to a multiple of 2 x CP size).",
@@ -391,7 +398,9 @@ class Metrics:
                 policy, status if status in SOLVER_STATUSES else "OTHER"
             ).inc()
         counts: dict[int, list[int]] = {}  # cp -> [micro-batches, sequences, tokens, padding]
+        layouts: dict[str, int] = {}
         for _, group, mb in plan.microbatches():
+            layouts[group.layout_name] = layouts.get(group.layout_name, 0) + len(mb.seq_ids)
             c = counts.setdefault(group.size, [0, 0, 0, 0])
             c[0] += 1
             c[1] += len(mb.seq_ids)
@@ -405,6 +414,8 @@ class Metrics:
             self.sequences.labels(policy, label).inc(n_seq)
             self.tokens.labels(policy, label).inc(n_tok)
             self.padding_tokens.labels(policy, label).inc(n_pad)
+        for name, n in sorted(layouts.items()):
+            self.layout_sequences.labels(policy, name).inc(n)
         if cost is not None:
             self._set_rank_busy(policy, "predicted", np.asarray(cost.rank_busy_seconds))
 

@@ -100,7 +100,7 @@ def main() -> None:
         planner = VersionedPlanner(planner, ModelVersion(0, model_cost.profile))
     metrics = None
     if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
-        metrics = Metrics(cp_sizes=planner.topology.group_sizes)
+        metrics = Metrics(policies=(planner.policy,), cp_sizes=planner.topology.group_sizes)
         print(f"metrics at {metrics.serve(port=args.metrics_port).url}")
     torch.manual_seed(args.seed)
     cfg = TinyConfig(vocab=256, dim=64, heads=4, kv_heads=2, layers=2, ffn=128)

@@ -200,3 +200,18 @@ def test_split_microbatches_stay_out_of_the_refit() -> None:
     mbs, waves = step_measurements(plan, reports)
     assert [(m.cp, m.lengths) for m in mbs] == [(2, (900,)), (4, (300,))]
     assert waves[0].busy_seconds == pytest.approx(0.3)  # the split group still sets the wave
+
+
+def test_metrics_count_sequences_per_layout() -> None:
+    from prometheus_client import generate_latest
+
+    from dyncp.metrics import Metrics
+
+    p = planner("dyncp-hybrid")
+    plan = p.plan(batch(5))
+    metrics = Metrics(policies=("dyncp-hybrid",), cp_sizes=p.topology.group_sizes)
+    metrics.observe_step(plan)
+    text = generate_latest(metrics.registry).decode()
+    for name, n in layout_histogram(plan).items():
+        line = f'dyncp_layout_sequences_total{{layout="{name}",policy="dyncp-hybrid"}} {n}.0'
+        assert line in text
