@@ -31,15 +31,19 @@ and report ``T + o``. Sequences that no constraint can favour at another size --
 cheapest ``r`` at size 1, ``alone`` at size 1 within LB0 - o -- are fixed at size 1 and enter as
 constants (their ``r`` and tokens), so the LP has a few dozen sequences, not thousands.
 
-The LP is solved once per size of the *top* sequence (the free one with the longest best time
-alone), with its ``y`` fixed to that size, and the least value is reported: fractional sizes let
-a relaxation run the top sequence partly on a small group (cheap rank-seconds) and partly on a
-large one (short time alone), which no plan can. A size whose closed-form value (its time alone,
-or the mean busy time with the top sequence there and every other at its cheapest ``r``) already
-reaches the least LP value found is skipped: its LP value is at least that.
+Fractional sizes let the relaxation run a long sequence partly on a small group (cheap
+rank-seconds) and partly on a large one (short time alone), which no plan can. So the LP sits in
+a best-first branch and bound over sizes: a node fixes some free sequences' sizes (their ``y``
+to 0 or 1); the node with the least value is expanded on the longest free sequence (by its
+least time alone) that it runs at a mix of sizes, one child per size, each valued first by the
+larger of its parent's value and its closed form (the longest time alone among its fixed
+sequences, or the mean busy time with them there and every other sequence at its cheapest
+``r``), and solved when it is the least again. It stops when the least node is solved and has
+nothing fractional to branch on, or after ``max_solves`` LPs; the least value over the open
+nodes is reported.
 
-Why it is a lower bound (a valid plan P of S step seconds, running the top sequence at c*, gives
-a feasible point of the LP of branch c* with T = S - o):
+Why it is a lower bound (a valid plan P of S step seconds gives a feasible point of the LP of the
+open node whose fixings agree with P, with T = S - o):
 
 - y = P's sizes (one per sequence); n[c] = the fractional count its tokens need, which is at most
   P's real count N[c] (each P micro-batch holds at most c C padded tokens: memory);
@@ -69,9 +73,16 @@ a feasible point of the LP of branch c* with T = S - o):
 - fixing a sequence at size 1 keeps P's point feasible for the other rows: moving it there lowers
   or keeps every left side (r, pad and F are smallest at size 1; its ``alone`` there is within
   LB0 - o <= T; the big row only counts c > 1; (exists, spill, count) do not move it);
-- P runs the top sequence at one size c*, so the LP of branch c* is at most S - o, and the
-  reported minimum over branches is too; a skipped branch's closed form is a bound of its own
-  (LB0's argument for one sequence at one size) that is at least the minimum reported.
+- P runs every sequence at one size, so exactly one open node's fixings agree with P (the root
+  does; expanding a node replaces it by children covering every size of one sequence). Every
+  value that node records is at most S: its LP's Lagrangian bound (+ o), at most its LP
+  optimum + o <= S; its parent's recorded value, at most the parent's LP optimum + o, which is
+  at most the child's (the child's feasible set lies in the parent's); its closed form, LB0's
+  argument for the fixed sequences at their sizes (each runs alone at least ``alone``; the
+  mean busy time is at least the sum of r at P's sizes, each other sequence at its cheapest,
+  over W). A node whose LP is infeasible holds no plan within the variable boxes; such plans
+  are slower than the serial plan (each sequence alone at its fastest size, one wave each),
+  whose node is feasible. So the least open value is at most S.
 
 So the reported value is at most S for every plan. It is not GLOP's objective but the Lagrangian
 bound of its dual solution evaluated in float64 over explicit variable boxes (each containing
@@ -79,12 +90,13 @@ the point above: T <= the serial plan's seconds, n[c] <= all tokens at c, m[c] <
 number of free sequences, z <= the fixed tokens / C), valid for any multipliers, so solver
 tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
 
-Cost: about 5-20 ms per 512-sequence step here (build + one to three solves); the simulator
+Cost: about 5-25 ms per 512-sequence step here (build + one to six solves); the simulator
 computes it every step; the plan service may skip it (``Planner(bound="simple")``).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -96,7 +108,10 @@ from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.bound import lower_bound, min_cp_sizes
 
-__all__ = ["LpBound", "lp_lower_bound"]
+__all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
+
+# LPs the branch and bound may solve per step (each 2-5 ms for 512 sequences here).
+MAX_SOLVES = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +120,7 @@ class LpBound:
 
     seconds: the bound (>= ``simple_seconds``); simple_seconds: the closed-form bound LB0;
     status: GLOP's status name, or "TRIVIAL" (no sequence left free, LB0 returned);
-    variables: sequences kept free in the LP; wall_seconds: build + solve.
+    variables: sequences kept free in the LP; wall_seconds: build + solves; solves: LPs solved.
     """
 
     seconds: float
@@ -113,10 +128,16 @@ class LpBound:
     status: str
     variables: int
     wall_seconds: float
+    solves: int = 1
 
 
 def lp_lower_bound(
-    lengths: np.ndarray, topology: Topology, model: CostModel, *, simple: float | None = None
+    lengths: np.ndarray,
+    topology: Topology,
+    model: CostModel,
+    *,
+    simple: float | None = None,
+    max_solves: int = MAX_SOLVES,
 ) -> LpBound:
     """Seconds no valid plan of ``lengths`` on ``topology`` beats under ``model`` (see module)."""
     start = time.perf_counter()
@@ -227,38 +248,71 @@ def lp_lower_bound(
     obj[0] = 1.0
     lo_a, hi_a = np.asarray(lo), np.asarray(hi)
 
-    # One LP per size of the top sequence, cheapest closed form first (module docstring).
-    if nf:
-        top = int(np.argmax(alone[:, free].min(axis=0)))
-        options = np.flatnonzero(pj == top)
-        rmin = r.min(axis=0)
-        spread = (rmin.sum() - rmin[free[top]] + yr[options]) / w
-        closed = np.maximum(ya[options], spread) + wo
-    else:  # nothing to branch on: one LP
-        options, closed = np.zeros(1, np.int64), np.zeros(1)
-    best = np.inf
-    name = "OPTIMAL"
-    for q in np.argsort(closed, kind="stable").tolist():
-        if closed[q] >= best:
-            break
+    # Best-first branch and bound on the sequences' sizes (module docstring).
+    rmin = r.min(axis=0)
+    options = [np.flatnonzero(pj == j) for j in range(nf)]
+
+    def closed(fix: dict[int, int]) -> float:
+        if not fix:
+            return 0.0
+        qs = np.asarray(list(fix.values()))
+        spread = (rmin.sum() - rmin[pi[qs]].sum() + yr[qs].sum()) / w
+        return max(float(ya[qs].max()), spread) + wo
+
+    def solve(fix: dict[int, int]) -> tuple[float, np.ndarray | None, str]:
         var_lo = np.zeros(nv)
         hi_q = var_hi.copy()
-        if nf:
-            hi_q[iy[options]] = 0.0
-            var_lo[iy[options[q]]] = hi_q[iy[options[q]]] = 1.0
+        for j, q in fix.items():
+            hi_q[iy[options[j]]] = 0.0
+            var_lo[iy[q]] = hi_q[iy[q]] = 1.0
         lp = mb.Model()
         lp.helper.fill_model_from_sparse_data(var_lo, hi_q, obj, lo_a, hi_a, a)
         solver = mb.Solver("glop")
         status = solver.solve(lp)
         if status == mb.SolveStatus.INFEASIBLE:
-            continue
+            return np.inf, None, status.name
         if status != mb.SolveStatus.OPTIMAL:
-            return LpBound(lb0, lb0, status.name, nf, time.perf_counter() - start)
+            return np.nan, None, status.name
         duals = np.asarray(solver.dual_values(lp.get_linear_constraints()), dtype=np.float64)
-        best = min(best, _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo)
+        x = np.asarray(solver.values(lp.get_variables()), dtype=np.float64)
+        return _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo, x[iy], status.name
+
+    # Branching order: the longest sequences first (by their least time alone).
+    by_time = np.argsort(-alone[:, free].min(axis=0), kind="stable").tolist() if nf else []
+
+    def branch(fix: dict[int, int], y: np.ndarray) -> int | None:
+        """The longest free sequence the node runs at a mix of sizes."""
+        return next((j for j in by_time if j not in fix and y[options[j]].max() < 1 - 1e-6), None)
+
+    heap: list[tuple[float, int, dict[int, int], np.ndarray | None, bool]] = []
+    solves, name, tick = 0, "OPTIMAL", 0
+    heapq.heappush(heap, (0.0, tick, {}, None, False))
+    while heap:
+        value, _, fix, y, solved = heapq.heappop(heap)
+        tick += 1
+        if not solved:
+            if solves >= max_solves:
+                heapq.heappush(heap, (value, tick, fix, y, solved))
+                break
+            got, y, status = solve(fix)
+            solves += 1
+            if np.isnan(got):  # GLOP failed: fall back to the closed form
+                return LpBound(lb0, lb0, status, nf, time.perf_counter() - start, solves)
+            tick += 1
+            heapq.heappush(heap, (max(value, got), tick, fix, y, True))
+            continue
+        j = branch(fix, y) if y is not None and np.isfinite(value) else None
+        if j is None:
+            heapq.heappush(heap, (value, tick, fix, y, solved))
+            break
+        for q in options[j].tolist():
+            child = {**fix, j: q}
+            tick += 1
+            heapq.heappush(heap, (max(value, closed(child)), tick, child, None, False))
+    best = heap[0][0] if heap else np.inf
     if not np.isfinite(best):
-        return LpBound(lb0, lb0, "INFEASIBLE", nf, time.perf_counter() - start)
-    return LpBound(max(best, lb0), lb0, name, nf, time.perf_counter() - start)
+        return LpBound(lb0, lb0, "INFEASIBLE", nf, time.perf_counter() - start, solves)
+    return LpBound(max(best, lb0), lb0, name, nf, time.perf_counter() - start, solves)
 
 
 def _lagrangian(
