@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.cost_model.schema import AttentionTable, Profile, load_profile
+from dyncp.cost_model.schema import AttentionTable, Link, Profile, load_profile
 
 __all__ = ["CostModel", "HeadSplit"]
 
@@ -173,16 +173,21 @@ class CostModel:
         """
         comm = self.profile.communication
         if self._links:
-            size = next((s for s in sorted(self._links) if s >= cp), None)
-            if size is None:
-                raise ValueError(
-                    f"profile {self.name!r} lists links for group sizes {sorted(self._links)}; "
-                    f"none covers a group of {cp} ranks"
-                )
-            link = self._links[size]
+            link = self._listed(self._links, cp, "links", f"a group of {cp} ranks")
         else:
             link = comm.intra_node if cp <= self.ranks_per_node else comm.inter_node
         return link.latency_seconds, link.bandwidth_bytes_per_second
+
+    def _listed(self, table: dict[int, Link], size: int, what: str, whom: str) -> Link:
+        """The entry of ``size`` in a per-group-size table, else of the next larger size listed
+        (never an optimistic guess); a ValueError naming the sizes when none is large enough."""
+        key = next((s for s in sorted(table) if s >= size), None)
+        if key is None:
+            raise ValueError(
+                f"profile {self.name!r} lists {what} for group sizes {sorted(table)}; none "
+                f"covers {whom}"
+            )
+        return table[key]
 
     @staticmethod
     def padded(cp: int, lengths: np.ndarray) -> np.ndarray:
@@ -270,13 +275,9 @@ class CostModel:
         derived = (derived_latency, derived_bandwidth * heads / (heads - 1))
         if not self._a2a_links:
             return derived
-        size = next((s for s in sorted(self._a2a_links) if s >= heads), None)
-        if size is None:
-            raise ValueError(
-                f"profile {self.name!r} lists all-to-all links for group sizes "
-                f"{sorted(self._a2a_links)}; none covers a head group of {heads} ranks"
-            )
-        link = self._a2a_links[size]
+        link = self._listed(
+            self._a2a_links, heads, "all-to-all links", f"a head group of {heads} ranks"
+        )
         listed = (link.latency_seconds, link.bandwidth_bytes_per_second)
         if heads > self.ranks_per_node:
             return (max(listed[0], derived[0]), min(listed[1], derived[1]))
