@@ -125,3 +125,20 @@ def test_gantt_draws_every_microbatch_and_the_idle_time() -> None:
         assert "idle" in labels and "wave boundary" in labels
         sizes = sorted({g.size for w in plan.waves for g in w.groups})
         assert [f"CP {c}" for c in sizes] == labels[: len(sizes)]
+
+
+def test_gantt_writes_the_head_split_on_split_groups() -> None:
+    pytest.importorskip("matplotlib")
+    from dyncp.sim.plots import gantt_figure
+
+    lengths = np.random.default_rng(4).integers(1, 4000, 30)
+    lengths[:3] = (3900, 3500, 3000)  # long enough for groups of 8, where splits pay
+    planner = Planner(model(), world=8, ranks_per_node=4, capacity=512, policy="dyncp-hybrid",
+                      max_length=4096, head_sizes=(1, 2, 4, 8))  # fmt: skip
+    plan = planner.plan(lengths)
+    fig = gantt_figure({"dyncp-hybrid": plan}, model())
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    split = {g.layout_name for w in plan.waves for g in w.groups if g.heads > 1}
+    assert split, "the plan has no split group to draw"
+    # Groups wide enough to hold a label are labelled with their split (and only splits are).
+    assert texts & split and not {t for t in texts if t.startswith("ring")}
