@@ -207,3 +207,28 @@ def test_move_prices_equal_the_fluid_price(
     for w, k, _ in out.groups():
         used[w] += costs.sizes[k]
     assert (used <= topo.world).all()
+
+
+def test_misfits_are_short_sequences_no_wave_has_room_for() -> None:
+    """Two sequences that need all 8 ranks make two full waves; the short work then opens a
+    wave of singles whose level is the work over 8 ranks, shorter than the longest short
+    sequence alone: that one has room nowhere (a misfit), the others fit. ``extend`` gives it a
+    group of its own, and the search with it placed as a long one leaves no misfit."""
+    topo = Topology(8, 8, 256)
+    model = model_for(8)
+    lengths = np.asarray([2048, 2048, 250] + [20] * 8)
+    costs = SequenceCosts(lengths, topo, model)
+    search = StructureSearch(costs, wave_overhead=0.001, pass_seconds=0.002, long_share=10.0)
+    assert search.long.tolist() == [0, 1]
+    k8 = costs.index(8)
+    s = Structure((0, 1), (0, 1), (k8, k8))
+    _, levels, extra = search.levels(s)
+    assert extra  # no wave has a free rank: the short work opens a wave of singles
+    assert costs.seconds[0, 2] > levels[-1] >= costs.seconds[0, 3]
+    assert search.misfits(s).tolist() == [2]
+    again = StructureSearch(costs, 0.001, 0.002, long_share=10.0, extra_long=np.asarray([2]))
+    assert again.long.tolist() == [0, 1, 2]
+    placed = again.extend(s, levels, np.asarray([2]))
+    assert [ids for _, _, ids in placed.groups()] == [[0], [1], [2]]
+    assert np.isfinite(again.levels(placed)[0])
+    assert again.misfits(again.improve(placed, None)).tolist() == []

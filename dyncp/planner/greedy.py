@@ -4,9 +4,12 @@ The structure of a good plan matters more than where each short sequence goes
 (notes/planner-findings.md), so every candidate decides the structure first. Candidates, in
 order of promise (``candidates``), each priced with the exact cost model:
 
-1. the structure search's best structures (``dyncp.planner.structure``: waves and CP sizes of the
-   long sequences priced with a fluid model), realised by ``fill``: long sequences in their
-   groups, short ones poured up to the fluid levels, slots charged the passes their tokens need;
+1. the structure search's best structures (``dyncp.planner.structure``: waves, groups -- which
+   may stack several long sequences -- and CP sizes of the long sequences, priced with a fluid
+   model; searched again with the short sequences the best one has no room for placed as long
+   ones), realised by ``fill``: long sequences in their groups, the longest short ones that run
+   efficiently on a ring into the rings' room, the rest poured up to the fluid levels, slots
+   charged the passes their tokens need;
 2. stretch-rule structures (``build``): CP size per sequence = the cheapest in rank-seconds,
    raised while the sequence alone would outlast ``stretch`` x the ideal step and a larger group
    is faster (or doubled ``boost`` times); long sequences first-fit into groups up to a level,
@@ -66,6 +69,8 @@ FLOOR_FACTORS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # extra rank-seconds (share) a long sequence may cost to be stacked on an existing group.
 COLUMN_FACTORS = (0.6, 0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
 STACK_TOLERANCES = (0.0, 0.1, 0.3)
+# Times the structure search starts again with the short sequences that fit nowhere as long ones.
+MISFIT_ROUNDS = 2
 # How many starts (cheapest fluid price first) the structure search improves.
 IMPROVED_STARTS = 8
 # Share of the time to the deadline the first structure-search start may take.
@@ -433,24 +438,8 @@ class GreedyConstructor:
         eff = search.eff if RING_FIRST else None
         return self.fill(wave_groups, search.short.tolist(), list(levels), passes, eff)
 
-    def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
-        """Plans of the best structures found from several starts.
-
-        Starts: the stretch rules, every long sequence at its cheapest and at its fastest size,
-        floors F (multiples of the ideal step: each long sequence at its cheapest size whose
-        time alone is at most F, so a plateau of equally long sequences is lowered at once,
-        which single moves cannot do), each long sequence in a group of its own; and column
-        packings (``StructureSearch.columns``) at levels ``COLUMN_FACTORS`` x the ideal step
-        and each of ``STACK_TOLERANCES``, which stack long sequences into shared groups. The
-        start the fluid model prices lowest is improved first (``FIRST_SHARE`` of the time to
-        the deadline at most) and realised at once, so an early deadline still leaves a sound
-        plan; the other starts are then improved in order of their price, and the cheapest
-        results realised, up to ``STRUCTURES_REALISED`` in all. None when single ranks are not
-        an allowed group size (nothing to pour short work into).
-        """
-        if self.sizes[0] != 1:
-            return
-        search = StructureSearch(self.costs, self.model.wave_overhead, self.model.fixed_seconds(1))
+    def _starts(self, search: StructureSearch) -> list[Structure]:
+        """The structure search's starts (``structured``), cheapest fluid price first."""
         rank_seconds = self.seconds * self.sizes[:, None]
         rows = [
             self.choose_sizes(1.0, 0),
@@ -472,23 +461,59 @@ class GreedyConstructor:
                 for tolerance in STACK_TOLERANCES:
                     s = search.columns(f * ideal, tolerance)
                     starts.setdefault(s, search.levels(s)[0])
-        ranked = sorted(starts, key=lambda s: starts[s])  # stable: ties keep the start order
+        return sorted(starts, key=lambda s: starts[s])  # stable: ties keep the start order
+
+    def structured(self, deadline: float | None = None) -> Iterator[StepPlan]:
+        """Plans of the best structures found from several starts.
+
+        Starts: the stretch rules, every long sequence at its cheapest and at its fastest size,
+        floors F (multiples of the ideal step: each long sequence at its cheapest size whose
+        time alone is at most F, so a plateau of equally long sequences is lowered at once,
+        which single moves cannot do), each long sequence in a group of its own; and column
+        packings (``StructureSearch.columns``) at levels ``COLUMN_FACTORS`` x the ideal step
+        and each of ``STACK_TOLERANCES``, which stack long sequences into shared groups. The
+        start the fluid model prices lowest is improved first (``FIRST_SHARE`` of the time to
+        the deadline at most) and realised at once, so an early deadline still leaves a sound
+        plan; the other starts are then improved in order of their price, and the cheapest
+        results realised, up to ``STRUCTURES_REALISED`` in all. None when single ranks are not
+        an allowed group size (nothing to pour short work into).
+        """
+        if self.sizes[0] != 1:
+            return
         first_stop = None
         if deadline is not None:
             now = time.perf_counter()
             first_stop = now + FIRST_SHARE * max(deadline - now, 0.0)
+        search = StructureSearch(self.costs, self.model.wave_overhead, self.model.fixed_seconds(1))
+        ranked = self._starts(search)
         first = search.improve(ranked[0], first_stop)
         yield self.realise(first, search, passes=False)
         yield self.realise(first, search)
-        found: dict[Structure, float] = {first: search.levels(first)[0]}
-        for s in ranked[1:IMPROVED_STARTS]:
-            if deadline is not None and time.perf_counter() >= deadline:
+        done = {first}
+        for round_ in range(MISFIT_ROUNDS + 1):
+            found: dict[Structure, float] = {first: search.levels(first)[0]} if not round_ else {}
+            for s in ranked[int(not round_) : IMPROVED_STARTS]:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    break
+                s = search.improve(s, deadline)
+                found.setdefault(s, search.levels(s)[0])
+            best = sorted(found, key=lambda s: found[s])
+            for s in [s for s in best if s not in done][: STRUCTURES_REALISED - 1]:
+                done.add(s)
+                yield self.realise(s, search)
+            misfit = search.misfits(best[0]) if best else np.zeros(0, np.int64)
+            if not len(misfit) or (deadline is not None and time.perf_counter() >= deadline):
                 break
-            s = search.improve(s, deadline)
-            found.setdefault(s, search.levels(s)[0])
-        best = [s for s in sorted(found, key=lambda s: found[s]) if s != first]
-        for s in best[: STRUCTURES_REALISED - 1]:
-            yield self.realise(s, search)
+            # Short sequences the best structure has no room for: place them explicitly, in
+            # the best structure where they fit (a start of its own) and in every other start.
+            levels = search.levels(best[0])[1]
+            search = StructureSearch(
+                self.costs,
+                self.model.wave_overhead,
+                self.model.fixed_seconds(1),
+                extra_long=np.union1d(search.long, misfit),
+            )
+            ranked = [search.extend(best[0], levels, misfit), *self._starts(search)]
 
     def build_level(self, level: float) -> StepPlan:
         """Every wave filled up to one common ``level`` (seconds).

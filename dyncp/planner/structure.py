@@ -10,14 +10,16 @@ model in microseconds:
   each in a group of some size in some wave; a group may hold several long sequences, run one
   after the other (a group is a column of c ranks for the whole wave), so its load is the sum of
   their times alone at its size. The groups of a wave must fit in W ranks;
-- short sequences are divisible work ``S`` (their additive seconds at CP 1). Wave w's floor
+- short sequences are divisible work ``S`` (their additive seconds at CP 1 plus their token share
+  of every pass's fixed cost, ``fixed_seconds``). Wave w's floor
   ``F_w`` is its most loaded group; at a level M >= F_w it offers ``cap_w(M) = f_w M + sum_g c_g
   e_c (M - load_g)``: its f_w free ranks, plus each group's idle time at the efficiency ``e_c``
   short work runs with on c ranks (CP-1 seconds per rank-second at c);
 - the work first fills every wave up to its floor; what is left raises the wave that gains
   capacity fastest (its slope is constant above the floor), or opens a wave of W single ranks,
-  whichever costs less. Predicted step = sum of levels + wave overheads (+ one pass per rank for
-  the wave of singles, ``pass_seconds``).
+  whichever costs less. Predicted step = sum of levels + wave overheads + one pass
+  (``pass_seconds``) for every wave with free ranks beyond the first and for the wave of
+  singles: a rank that runs short work in k waves pays k passes however few tokens it holds.
 
 Starts: size choices laid into waves one group per sequence (``start``), and column packings
 (``columns``): at a target level, each long sequence at its cheapest size that finishes within
@@ -28,8 +30,11 @@ its slowest group; stacked, they share one balanced wave.
 
 ``improve`` then applies the best of each long sequence's moves while the fluid cost falls: its
 group one size up or down, onto another group (stacking), or into a group of its own in any wave
-or a new one. Moves are priced from per-wave aggregates (a move touches at most two waves), so a
-move costs microseconds. Deterministic: no randomness, ties by index.
+or a new one (at its size, or in another wave at its cheapest size within that wave's floor).
+Moves are priced from per-wave aggregates (a move touches at most two waves), so a move costs
+microseconds. ``misfits`` names the short sequences a structure has no room for (longer alone
+than any wave they could go to); the caller searches again with them placed as long ones.
+Deterministic: no randomness, ties by index.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ class Structure:
         return list(out.values())
 
 
-# A wave's contribution to the fluid price: (floor, slope, capacity up to its floor).
-_Terms = tuple[float, float, float]
+# A wave's contribution to the fluid price: (floor, slope, capacity up to its floor, whether it
+# has free ranks).
+_Terms = tuple[float, float, float, bool]
 
 
 class StructureSearch:
@@ -83,6 +89,7 @@ class StructureSearch:
         wave_overhead: float,
         pass_seconds: float = 0.0,
         long_share: float = LONG_SHARE,
+        extra_long: np.ndarray | None = None,
     ) -> None:
         self.costs = costs
         self.world = costs.topology.world
@@ -97,6 +104,8 @@ class StructureSearch:
         # to be poured as fluid work).
         coarse = costs.alone[0] > long_share * costs.ideal_seconds() if sizes[0] == 1 else False
         self.long = np.flatnonzero((costs.min_cp > 1) | coarse)
+        if extra_long is not None:  # placed explicitly too (``misfits``)
+            self.long = np.union1d(self.long, np.asarray(extra_long, dtype=np.int64))
         short = np.ones(n, dtype=bool)
         short[self.long] = False
         self.short = np.flatnonzero(short)
@@ -140,7 +149,7 @@ class StructureSearch:
         if used > self.world:
             return None
         slope = self.world - used + rate
-        return floor, slope, slope * floor - weighted
+        return floor, slope, slope * floor - weighted, used < self.world
 
     def _price(self, terms: list[_Terms]) -> tuple[float, list[float], bool]:
         """Step seconds, each wave's level and whether a wave of singles is added."""
@@ -160,7 +169,8 @@ class StructureSearch:
             else:
                 extra = True
                 levels.append(rest / self.world)
-        total = sum(levels) + len(levels) * self.wave_overhead + extra * self.pass_seconds
+        passes = max(sum(t[3] for t in terms) - 1, 0) + extra
+        total = sum(levels) + len(levels) * self.wave_overhead + passes * self.pass_seconds
         return total, levels, extra
 
     def levels(self, s: Structure) -> tuple[float, list[float], bool]:
@@ -255,6 +265,68 @@ class StructureSearch:
             [group_of[i] for i in ids],
         )
 
+    def misfits(self, s: Structure) -> np.ndarray:
+        """Short sequences that fit nowhere in ``s`` as the fluid model pours: longer alone at
+        CP 1 than every wave with a free rank (the wave of singles included), and than the room
+        every group leaves below its wave's level (at the group's size). Pouring treats short
+        work as divisible; these would raise a wave instead, so the caller places them as long
+        ones and searches again."""
+        if not len(self.short) or not s.ids:
+            return np.zeros(0, dtype=np.int64)
+        _, levels, extra = self.levels(s)
+        if not levels:
+            return np.zeros(0, dtype=np.int64)
+        n_long = len(levels) - int(extra)
+        used = np.zeros(n_long)
+        groups = s.groups()
+        for w, k, _ in groups:
+            used[w] += self._size[k]
+        reach = max(
+            [levels[w] for w in range(n_long) if used[w] < self.world] + levels[n_long:],
+            default=0.0,
+        )
+        fits = self.costs.seconds[0, self.short] <= reach
+        for w, k, ids in groups:
+            room = levels[w] - float(self.alone[k, ids].sum())
+            fits |= self.costs.seconds[k, self.short] <= room
+        return self.short[~fits]
+
+    def extend(self, s: Structure, levels: list[float], ids: np.ndarray) -> Structure:
+        """``s`` with the sequences ``ids`` (long in this search, not placed in ``s``) each in a
+        group of its own: in the wave with room whose level (``levels``, of ``s``) it fits
+        at the fewest rank-seconds, at the cheapest size that fits it there; else at its
+        fastest size in the first wave with room, or a new one. Longest first."""
+        groups = [(w, k, list(members)) for w, k, members in s.groups()]
+        n_waves = max([w for w, _, _ in groups], default=-1) + 1
+        used = [0] * n_waves
+        for w, k, _ in groups:
+            used[w] += self._size[k]
+        level = list(levels[:n_waves]) + [0.0] * (n_waves - len(levels[:n_waves]))
+        for i in sorted(ids.tolist(), key=lambda i: (-self.alone[0, i], i)):
+            best: tuple[float, int, int] | None = None
+            for w in range(n_waves):
+                for k in range(len(self._size)):
+                    t = self.alone[k, i]
+                    if t <= level[w] and used[w] + self._size[k] <= self.world:
+                        key = (float(self._spent[k, i]), w, k)
+                        if best is None or key < best:
+                            best = key
+            if best is None:
+                k = int(np.argmin(self.alone[:, i]))
+                w = next((w for w in range(n_waves) if used[w] + self._size[k] <= self.world), None)
+                if w is None:
+                    used.append(0)
+                    level.append(float(self.alone[k, i]))
+                    w, n_waves = n_waves, n_waves + 1
+            else:
+                _, w, k = best
+            used[w] += self._size[k]
+            groups.append((w, k, [i]))
+        flat = [(i, w, k, g) for g, (w, k, members) in enumerate(groups) for i in members]
+        return _canonical(
+            [f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat], [f[3] for f in flat]
+        )
+
     # ------------------------------------------------------------------------------ search
     def improve(self, s: Structure, deadline: float | None, max_passes: int = 6) -> Structure:
         """Best single move of each long sequence (size, stack, own group) while the cost falls."""
@@ -294,6 +366,7 @@ class _State:
         self.g_load: list[float] = []
         self.group_of: dict[int, int] = {}
         self.col: dict[int, list[float]] = {}  # per long sequence, its time alone per row
+        self.spent = search._spent_list  # per long sequence, its rank-seconds per row
         for w, k, ids in s.groups():
             for i in ids:
                 self.group_of[i] = len(self.members)
@@ -329,6 +402,7 @@ class _State:
             for w in range(n)
         ]
         self.floor_sum, self.cap_sum, self.n_live = sum(self.floor), sum(self.cap), len(live)
+        self.n_free = sum(1 for w in live if self.used[w] < world)
         by_slope = sorted(live, key=lambda w: (-slope[w], w))
         self.top_wave = by_slope[0]
         self.first_slope = slope[by_slope[0]]
@@ -336,21 +410,22 @@ class _State:
         if any(self.used[w] > world for w in live):
             self.cost = float("inf")
             return
-        self.cost = self._price(self.floor_sum, self.cap_sum, self.first_slope, self.n_live)
+        self.cost = self._price(
+            self.floor_sum, self.cap_sum, self.first_slope, self.n_live, self.n_free
+        )
 
-    def _price(self, floors: float, caps: float, slope: float, n_live: int) -> float:
-        """``StructureSearch._price`` from the summed floors and capacities, the largest slope
-        and the number of waves."""
+    def _price(self, floors: float, caps: float, slope: float, n_live: int, n_free: int) -> float:
+        """``StructureSearch._price`` from the summed floors and capacities, the largest slope,
+        the number of waves and of waves with free ranks."""
         search = self.search
         search.evaluations += 1
         rest = search.work - caps
+        fixed = n_live * search.wave_overhead + max(n_free - 1, 0) * search.pass_seconds
         if rest <= 0:
-            return floors + n_live * search.wave_overhead
+            return floors + fixed
         raise_cost = rest / slope if slope > 0 else float("inf")
         new_wave = search.wave_overhead + search.pass_seconds + rest / search.world
-        if raise_cost <= new_wave:
-            return floors + raise_cost + n_live * search.wave_overhead
-        return floors + new_wave + n_live * search.wave_overhead
+        return floors + min(raise_cost, new_wave) + fixed
 
     # -- moves
     def by_time(self) -> list[int]:
@@ -385,6 +460,8 @@ class _State:
         slope = [world - u + r for u, r in zip(used, w_rate)]
         cap = [sl * f - wt if lv else 0.0 for sl, f, wt, lv in zip(slope, floor, weighted, live)]
         f0, c0, n0 = sum(floor), sum(cap), sum(live)
+        free = [lv and u < world for lv, u in zip(live, used)]
+        m0 = sum(free)
         first, second, arg = -1.0, -1.0, -1  # largest live slopes (slopes are >= 0)
         for v in range(n + 1):
             if live[v]:
@@ -405,13 +482,19 @@ class _State:
             v = self.g_wave[h]
             fv = max(floor[v], self.g_load[h] + t)
             cv = slope[v] * fv - weighted[v] - rate[self.g_row[h]] * t
-            cost = price(f0 - floor[v] + fv, c0 - cap[v] + cv, first, n0)
+            cost = price(f0 - floor[v] + fv, c0 - cap[v] + cv, first, n0, m0)
             if cost < best_cost:
                 best_cost, best = cost, ("stack", h)
+        spent = self.spent[i]
         for v in range(n + 1):  # a group of its own, in any wave or a new one
             if not live[v] and v != w and v != n:
                 continue
-            for kk in (k - 1, k, k + 1) if v == w else (k,):
+            if v == w:
+                rows = (k - 1, k, k + 1)
+            else:  # at its size, or at its cheapest size that fits under the wave's floor
+                fit = [q for q in range(self.top + 1) if col[q] <= floor[v]]
+                rows = (k, min(fit, key=lambda q: spent[q])) if fit else (k,)
+            for kk in rows:
                 if not 0 <= kk <= self.top or (v == w and solo and kk == k):
                     continue
                 t = col[kk]
@@ -421,7 +504,8 @@ class _State:
                 fv = max(floor[v], t)
                 cv = sv * fv - weighted[v] - rate[kk] * t
                 top = max(second if v == arg else first, sv)
-                cost = price(f0 - floor[v] + fv, c0 - cap[v] + cv, top, n0 + (not live[v]))
+                m = m0 - free[v] + (used[v] + size[kk] < world)
+                cost = price(f0 - floor[v] + fv, c0 - cap[v] + cv, top, n0 + (not live[v]), m)
                 if cost < best_cost:
                     best_cost, best = cost, ("own", v, kk, t)
         for kk in (k - 1, k + 1):  # the whole group one size down or up (i stays in it)
@@ -436,7 +520,8 @@ class _State:
             cv = sv * fv - self.weighted[w] + rate[k] * self.g_load[g] - rate[kk] * load
             top = max(self.second_slope if w == self.top_wave else self.first_slope, sv)
             floors = self.floor_sum - self.floor[w] + fv
-            cost = price(floors, self.cap_sum - self.cap[w] + cv, top, self.n_live)
+            m = self.n_free - (self.used[w] < world) + (used_w < world)
+            cost = price(floors, self.cap_sum - self.cap[w] + cv, top, self.n_live, m)
             if cost < best_cost:
                 best_cost, best = cost, ("resize", kk, load)
         if best is None:
