@@ -115,6 +115,10 @@ def small_batches(draw: st.DrawFn) -> tuple[Topology, list[int]]:
 @example(case=(Topology(8, 4, 64), [34, 60, 35]), kind="flexsp")
 @example(case=(Topology(8, 4, 64), [112, 512, 233, 363]), kind="reference")
 @example(case=(Topology(4, 2, 64), [182, 256, 150, 93, 101]), kind="reference")
+# The pair row: two long sequences in one wave, a short one that may run in their groups.
+@example(case=(Topology(4, 4, 256), [38, 246, 190]), kind="reference")
+@example(case=(Topology(8, 4, 256), [324, 372, 448, 43]), kind="reference")
+@example(case=(Topology(4, 4, 256), [401, 164, 11, 275]), kind="quadratic")
 def test_lp_bound_never_above_the_optimum(case: tuple[Topology, list[int]], kind: str) -> None:
     topo, lengths = case
     model = any_model(kind, topo.ranks_per_node)
