@@ -2,6 +2,7 @@
 
     python bench/planner_bench.py [--steps 50] [--cpsat-steps 10] [--profile h100-reference]
                                   [--data ../shared/datasets] [--contention 1] [--scale]
+                                  [--explain 3]
 
 Scenarios (512 sequences per step on 64 ranks, 8 per node, max length 131072): the two shared
 length files (full parquet files when ``--data`` holds them, else the bundled samples) at
@@ -20,7 +21,10 @@ run on the same cores; and for ``dyncp+cpsat`` (``time_limit=1.0``: CP-SAT gets 
 constructor leaves, about 0.9 s) on the first ``--cpsat-steps`` batches: the share of the
 remaining gap to the tight bound CP-SAT closes (mean over batches of (constructed - final) /
 (constructed - bound)) and its outcomes. ``--scale`` plans steps of 32768 sequences on 4096 ranks
-and 131072 on 16384 ranks and prints the wall time of ``plan()`` and its parts.
+and 131072 on 16384 ranks and prints the wall time of ``plan()`` and its parts. ``--explain N``
+prints, per scenario, the N batches furthest from the bound as text Gantts: each wave's level,
+its groups of more than one rank (size, seconds, sequences, the long ones named) and the spread
+of its single ranks' loads -- where a plan loses time is visible there.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from dyncp.cost_model import CostModel
+from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.plan import StepPlan
 from dyncp.planner import Planner
 from dyncp.sim.replay import admit, draw_batches
 
@@ -111,6 +117,34 @@ def ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3
 
 
+def explain(plan: StepPlan, model: CostModel, long_tokens: int) -> list[str]:
+    """A text Gantt of ``plan``: per wave its level, its groups of more than one rank (size,
+    seconds, how many sequences, those longer than ``long_tokens``) and its single ranks."""
+    lengths = np.asarray(plan.lengths)
+    cost = evaluate_plan(plan, model)
+    lines = []
+    for w, (wave, seconds) in enumerate(zip(plan.waves, cost.microbatch_seconds)):
+        j, rings, singles = 0, [], []
+        for group in wave.groups:
+            n = len(group.microbatches)
+            t = float(sum(seconds[j : j + n]))
+            j += n
+            ids = [i for mb in group.microbatches for i in mb.seq_ids]
+            if group.size == 1:
+                singles.append(t)
+                continue
+            longs = sorted((int(lengths[i]) for i in ids if lengths[i] > long_tokens), reverse=True)
+            rings.append((group.size, t, len(ids), longs))
+        rings.sort(key=lambda g: (-g[0], -g[1]))
+        text = "; ".join(f"c{c} {t * 1e3:.0f} ms x{n} {longs}" for c, t, n, longs in rings)
+        if singles:
+            text += (
+                f" | {len(singles)} singles {min(singles) * 1e3:.0f}-{max(singles) * 1e3:.0f} ms"
+            )
+        lines.append(f"    wave {w}: level {cost.wave_seconds[w] * 1e3:.0f} ms: {text}")
+    return lines
+
+
 def run_quality(model: CostModel, args: argparse.Namespace) -> None:
     header = (
         f"{'scenario':<34}{'cap':>6}{'gap':>7}{'max':>7}{'old gap':>8}{'old max':>8}"
@@ -122,9 +156,12 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
         dyncp = planner(model, capacity, time_limit=args.time_limit)
         megatron = planner(model, capacity, policy="megatron")
         gaps, old, lat, bound_lat, secs, meg = [], [], [], [], [], []
-        for batch in batches:
+        worst: list[tuple[float, int, StepPlan]] = []
+        for b, batch in enumerate(batches):
             plan = dyncp.plan(batch)
             st = plan.stats
+            worst = sorted([*worst, (st["gap_to_lower_bound"], b, plan)], key=lambda x: -x[0])
+            worst = worst[: args.explain]
             gaps.append(st["gap_to_lower_bound"])
             old.append(st["gap_to_simple_bound"])
             lat.append(st["timings"]["plan_seconds"])
@@ -154,6 +191,15 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
             f"{(np.mean(closes) if closes else float('nan')):>13.1%}  {dict(outcomes)}",
             flush=True,
         )
+        for gap, b, plan in worst:
+            st = plan.stats
+            seconds, bound = st["predicted_step_seconds"], st["lower_bound_seconds"]
+            old = st["simple_lower_bound_seconds"]
+            print(
+                f"  batch {b}: gap {gap:.1%}, {seconds * 1e3:.0f} ms, bound {bound * 1e3:.0f} ms "
+                f"(old {old * 1e3:.0f})"
+            )
+            print("\n".join(explain(plan, model, capacity)), flush=True)
 
 
 def run_scale(model: CostModel, args: argparse.Namespace) -> None:
@@ -192,6 +238,9 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="also plan 4096- and 16384-rank steps")
     parser.add_argument("--scale-steps", type=int, default=2)
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument(
+        "--explain", type=int, default=0, help="text Gantts of the N worst batches per scenario"
+    )
     args = parser.parse_args()
     model = CostModel.load(args.profile, ranks_per_node=RANKS_PER_NODE)
     print(
