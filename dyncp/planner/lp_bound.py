@@ -39,8 +39,9 @@ least time alone) that it runs at a mix of sizes, one child per size, each value
 larger of its parent's value and its closed form (the longest time alone among its fixed
 sequences, or the mean busy time with them there and every other sequence at its cheapest
 ``r``), and solved when it is the least again. It stops when the least node is solved and has
-nothing fractional to branch on, or after ``max_solves`` LPs; the least value over the open
-nodes is reported.
+nothing fractional to branch on, after ``max_solves`` LPs, or after ``STALLED_SOLVES`` LPs in a
+row that left the least open value where it was; the least value over the open nodes is
+reported.
 
 Why it is a lower bound (a valid plan P of S step seconds gives a feasible point of the LP of the
 open node whose fixings agree with P, with T = S - o):
@@ -110,8 +111,10 @@ from dyncp.planner.bound import lower_bound, min_cp_sizes
 
 __all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
 
-# LPs the branch and bound may solve per step (each 2-5 ms for 512 sequences here).
+# LPs the branch and bound may solve per step (each 2-5 ms for 512 sequences here), and how many
+# in a row may leave the least open value where it was before it stops.
 MAX_SOLVES = 6
+STALLED_SOLVES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,13 +288,13 @@ def lp_lower_bound(
         return next((j for j in by_time if j not in fix and y[options[j]].max() < 1 - 1e-6), None)
 
     heap: list[tuple[float, int, dict[int, int], np.ndarray | None, bool]] = []
-    solves, name, tick = 0, "OPTIMAL", 0
+    solves, name, tick, stalled = 0, "OPTIMAL", 0, 0
     heapq.heappush(heap, (0.0, tick, {}, None, False))
     while heap:
         value, _, fix, y, solved = heapq.heappop(heap)
         tick += 1
         if not solved:
-            if solves >= max_solves:
+            if solves >= max_solves or stalled >= STALLED_SOLVES:
                 heapq.heappush(heap, (value, tick, fix, y, solved))
                 break
             got, y, status = solve(fix)
@@ -300,6 +303,7 @@ def lp_lower_bound(
                 return LpBound(lb0, lb0, status, nf, time.perf_counter() - start, solves)
             tick += 1
             heapq.heappush(heap, (max(value, got), tick, fix, y, True))
+            stalled = stalled + 1 if solves > 1 and heap[0][0] <= value * (1 + 1e-9) else 0
             continue
         j = branch(fix, y) if y is not None and np.isfinite(value) else None
         if j is None:
