@@ -232,3 +232,22 @@ def test_misfits_are_short_sequences_no_wave_has_room_for() -> None:
     assert [ids for _, _, ids in placed.groups()] == [[0], [1], [2]]
     assert np.isfinite(again.levels(placed)[0])
     assert again.misfits(again.improve(placed, None)).tolist() == []
+
+
+def test_misfits_share_one_room() -> None:
+    """Two groups of 4 fill the wave (one stacks two 1024s, the other a 1024 and a 700), so
+    the second leaves room for one 250-token sequence at size 4 but not for two; the short work
+    left opens a wave of singles shorter than either 250 alone. Each fits the room on its own;
+    together one is a misfit (the room is taken once, longest first, ties by index)."""
+    topo = Topology(8, 8, 256)
+    model = model_for(8)
+    lengths = np.asarray([1024, 1024, 1024, 700, 250, 250] + [20] * 8)
+    costs = SequenceCosts(lengths, topo, model)
+    search = StructureSearch(costs, 0.001, 0.002, long_share=10.0, extra_long=np.asarray([3]))
+    k4 = costs.index(4)
+    s = Structure((0, 1, 2, 3), (0, 0, 0, 0), (k4, k4, k4, k4), (0, 0, 1, 1))
+    _, levels, extra = search.levels(s)
+    assert extra and costs.seconds[0, 4] > levels[-1]
+    room = levels[0] - costs.alone[k4, [2, 3]].sum()
+    assert costs.seconds[k4, 4] <= room < 2 * costs.seconds[k4, 4]
+    assert search.misfits(s).tolist() == [5]

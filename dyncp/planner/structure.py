@@ -267,8 +267,9 @@ class StructureSearch:
 
     def misfits(self, s: Structure) -> np.ndarray:
         """Short sequences that fit nowhere in ``s`` as the fluid model pours: longer alone at
-        CP 1 than every wave with a free rank (the wave of singles included), and than the room
-        every group leaves below its wave's level (at the group's size). Pouring treats short
+        CP 1 than every wave with a free rank (the wave of singles included), and left over
+        when such sequences, longest first, take their share of the room the groups leave
+        below their wave's level (at the group's size, tightest fit). Pouring treats short
         work as divisible; these would raise a wave instead, so the caller places them as long
         ones and searches again."""
         if not len(self.short) or not s.ids:
@@ -286,9 +287,22 @@ class StructureSearch:
             default=0.0,
         )
         fits = self.costs.seconds[0, self.short] <= reach
-        for w, k, ids in groups:
-            room = levels[w] - float(self.alone[k, ids].sum())
-            fits |= self.costs.seconds[k, self.short] <= room
+        # The rest must share the groups' room: longest first, each into the group it fills
+        # most tightly, the room it takes gone for the next (one room, not one per sequence).
+        rows = [k for _, k, _ in groups]
+        room = [levels[w] - float(self.alone[k, ids].sum()) for w, k, ids in groups]
+        order = np.flatnonzero(~fits)
+        order = order[np.argsort(-self.costs.seconds[0, self.short[order]], kind="stable")]
+        for q in order.tolist():
+            i = int(self.short[q])
+            best: tuple[float, int] | None = None
+            for g, k in enumerate(rows):
+                left = room[g] - float(self.costs.seconds[k, i])
+                if left >= 0 and (best is None or left < best[0]):
+                    best = (left, g)
+            if best is not None:
+                room[best[1]] = best[0]
+                fits[q] = True
         return self.short[~fits]
 
     def extend(self, s: Structure, levels: list[float], ids: np.ndarray) -> Structure:
