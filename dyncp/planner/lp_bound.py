@@ -85,6 +85,25 @@ open node whose fixings agree with P, with T = S - o):
   are slower than the serial plan (each sequence alone at its fastest size, one wave each),
   whose node is feasible. So the least open value is at most S.
 
+The two longest (by least time alone) free sequences i, j are branched on first, whatever the
+LP does with them; once a node fixes their sizes c_i, c_j (times alone a_i, a_j, rank-seconds
+r_i, r_j), its value is also at least the least of what each way a plan can run them costs:
+
+- in one micro-batch (c_i = c_j, their tokens fit): S >= its seconds + o (contract 1);
+- in one group, or in two waves: their micro-batches run one after the other, S >= a_i + a_j + o;
+- in one wave w, two groups (c_i + c_j <= W): with L = a* = max(a_i, a_j) <= L_w, the ranks of
+  both groups spend (c_i + c_j) L_w in w. Every other micro-batch (outside those two groups in
+  w) costs its ranks at least the r of its sequences (contract 2), at least their least r,
+  ``rmin``. A sequence s that runs in one of the two groups ("rides") saves its rmin there but
+  takes r(s, c) >= w_s = min(r(s, c_i), r(s, c_j)) >= rmin(s) of the groups' busy time, which is
+  at most c (L_w - F[c]) - r_i (resp. r_j) per group (contract 2 over the group's micro-batches
+  in w). So W (S - o) >= (c_i + c_j) L_w + sum_{s != i, j} rmin(s) - K(X(L_w)), K(X) the
+  fractional knapsack of values rmin(s), weights w_s, capacity X(L) = c_i (L - F[c_i]) - r_i +
+  c_j (L - F[c_j]) - r_j (clamped at 0). Every ratio rmin / w_s <= 1, so K grows at most as
+  fast as X, which grows as (c_i + c_j) L: the right side is least at L = a*.
+
+The node's value is the larger of its LP's and the least of these (the pair bound).
+
 So the reported value is at most S for every plan. It is not GLOP's objective but the Lagrangian
 bound of its dual solution evaluated in float64 over explicit variable boxes (each containing
 the point above: T <= the serial plan's seconds, n[c] <= all tokens at c, m[c] <= that plus the
@@ -255,12 +274,32 @@ def lp_lower_bound(
     rmin = r.min(axis=0)
     options = [np.flatnonzero(pj == j) for j in range(nf)]
 
+    # Branching order: the longest sequences first (by their least time alone).
+    by_time = np.argsort(-alone[:, free].min(axis=0), kind="stable").tolist() if nf else []
+    shared: dict[tuple[int, int], float] = {}
+
+    def pair(fix: dict[int, int]) -> float:
+        """The two longest sequences' bound once both sizes are fixed (module docstring)."""
+        if nf < 2 or by_time[0] not in fix or by_time[1] not in fix:
+            return 0.0
+        qa, qb = fix[by_time[0]], fix[by_time[1]]
+        key = (int(pk[qa]), int(pk[qb]))
+        if key not in shared:
+            i, j = int(pi[qa]), int(pi[qb])
+            together = np.inf
+            if key[0] == key[1] and yp[qa] + yp[qb] <= csz[key[0]] * cap:
+                together = model.microbatch_seconds(sizes[key[0]], lengths[[i, j]])
+            shared[key] = _pair_value(
+                (i, j), key, (float(ya[qa]), float(ya[qb])), together, (sizes, w, r, rmin, fixed)
+            )
+        return shared[key] + wo
+
     def closed(fix: dict[int, int]) -> float:
         if not fix:
             return 0.0
         qs = np.asarray(list(fix.values()))
         spread = (rmin.sum() - rmin[pi[qs]].sum() + yr[qs].sum()) / w
-        return max(float(ya[qs].max()), spread) + wo
+        return max(max(float(ya[qs].max()), spread) + wo, pair(fix))
 
     def solve(fix: dict[int, int]) -> tuple[float, np.ndarray | None, str]:
         var_lo = np.zeros(nv)
@@ -278,13 +317,15 @@ def lp_lower_bound(
             return np.nan, None, status.name
         duals = np.asarray(solver.dual_values(lp.get_linear_constraints()), dtype=np.float64)
         x = np.asarray(solver.values(lp.get_variables()), dtype=np.float64)
-        return _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo, x[iy], status.name
-
-    # Branching order: the longest sequences first (by their least time alone).
-    by_time = np.argsort(-alone[:, free].min(axis=0), kind="stable").tolist() if nf else []
+        got = _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo
+        return max(got, pair(fix)), x[iy], status.name
 
     def branch(fix: dict[int, int], y: np.ndarray) -> int | None:
-        """The longest free sequence the node runs at a mix of sizes."""
+        """The longest free sequence the node runs at a mix of sizes; first, the two longest
+        until both sizes are fixed (the pair bound needs them)."""
+        top = next((j for j in by_time[:2] if j not in fix), None) if nf >= 2 else None
+        if top is not None:
+            return top
         return next((j for j in by_time if j not in fix and y[options[j]].max() < 1 - 1e-6), None)
 
     heap: list[tuple[float, int, dict[int, int], np.ndarray | None, bool]] = []
@@ -338,3 +379,45 @@ def _lagrangian(
     reduced = obj - a.T @ d
     box = np.minimum(reduced * var_lo, reduced * var_hi)
     return float(d @ lo + box.sum())
+
+
+def _pair_value(
+    ids: tuple[int, int],
+    rows: tuple[int, int],
+    times: tuple[float, float],
+    together: float,
+    tables: tuple[list[int], int, np.ndarray, np.ndarray, np.ndarray],
+) -> float:
+    """Seconds (without the wave overhead) no plan beats that runs sequences ``ids`` at the
+    sizes of ``rows`` (times alone ``times``), whether they share a wave or not (module
+    docstring, "the two longest"); ``together``: one micro-batch of both (inf when their
+    tokens do not fit one).
+
+    tables: the allowed sizes, W, r (rank-seconds per size and sequence, inf where not
+    allowed), its least per sequence, and the fixed seconds per size.
+    """
+    sizes, world, r, rmin, fixed = tables
+    (i, j), (ki, kj) = ids, rows
+    ci, cj = sizes[ki], sizes[kj]
+    apart = min(times[0] + times[1], together)
+    if ci + cj > world:
+        return apart
+    level = max(times)
+    room = ci * (level - fixed[ki]) - r[ki, i] + cj * (level - fixed[kj]) - r[kj, j]
+    rest = np.ones(r.shape[1], dtype=bool)
+    rest[[i, j]] = False
+    value = rmin[rest]
+    weight = np.minimum(r[ki, rest], r[kj, rest])
+    ok = np.isfinite(weight) & (weight > 0)
+    ratio = value[ok] / weight[ok]
+    order = np.argsort(-ratio, kind="stable")
+    cum_w = np.cumsum(weight[ok][order])
+    cum_v = np.cumsum(value[ok][order])
+    n = int(np.searchsorted(cum_w, max(room, 0.0)))
+    saved = float(cum_v[-1]) if len(order) else 0.0
+    if n < len(order):
+        before_w = float(cum_w[n - 1]) if n else 0.0
+        before_v = float(cum_v[n - 1]) if n else 0.0
+        saved = before_v + (max(room, 0.0) - before_w) * float(ratio[order[n]])
+    shared = ((ci + cj) * level + float(value.sum()) - saved) / world
+    return min(shared, apart)
