@@ -330,14 +330,22 @@ class GreedyConstructor:
             heapq.heapify(heap)
         keys = sorted(classes)
         width = len(self.sizes)
-        for i in sorted(sand, key=lambda i: (-self.seconds[0, i], i)):
+        # Per sequence, its column of each table as plain floats (scalar numpy indexing in
+        # this loop would dominate its time).
+        order = sorted(sand, key=lambda i: (-self.seconds[0, i], i))
+        cols = np.asarray(order, dtype=np.int64)
+        marg_t = marg[:, cols].T.tolist()
+        pad_t = pad[:, cols].T.tolist()
+        spent_t = (self.seconds[:, cols] * self.sizes[:, None]).T.tolist()
+        unit_l = unit[:, 0].tolist()
+        for n, i in enumerate(order):
             best: tuple[float, float, float, int] | None = None
+            m_i, p_i, s_i = marg_t[n], pad_t[n], spent_t[n]
             for w, row in keys:
                 j = classes[(w, row)][0][1]
-                n_pass = max(1.0, (slot_tokens[j] + pad[row, i]) / unit[row, 0])
-                new = slot_marg[j] + marg[row, i] + fixed[row] * n_pass
-                spent = self.seconds[row, i] * self.sizes[row]
-                key = (max(new - level[w], 0.0), spent, new, w * width + row)
+                n_pass = max(1.0, (slot_tokens[j] + p_i[row]) / unit_l[row])
+                new = slot_marg[j] + m_i[row] + fixed[row] * n_pass
+                key = (max(new - level[w], 0.0), s_i[row], new, w * width + row)
                 if best is None or key < best:
                     best = key
             assert best is not None
@@ -345,8 +353,8 @@ class GreedyConstructor:
             _, j = heapq.heappop(classes[(w, row)])
             heapq.heappush(classes[(w, row)], (best[2], j))
             slot_items[j].append(i)
-            slot_marg[j] += marg[row, i]
-            slot_tokens[j] += pad[row, i]
+            slot_marg[j] += m_i[row]
+            slot_tokens[j] += p_i[row]
             level[w] = max(level[w], best[2])
         specs: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_waves)]
         j = 0
@@ -395,10 +403,17 @@ class GreedyConstructor:
                 self.seconds[rows][:, pool] * sizes[:, None] * eff[rows][:, None]
                 <= (self.seconds[0, pool][None, :])
             )
+        # A sequence fits a ring only if its marginal seconds there are within the room left
+        # (the passes it adds only raise the load): a cheap necessary test per sequence.
+        need = np.where(good, marg[rows][:, pool], np.inf)
+        least = need.min(axis=0).tolist()
         left: list[int] = []
         for q in np.argsort(-self.seconds[0, pool], kind="stable").tolist():
             i = int(pool[q])
-            ok = np.flatnonzero(good[:, q] & (room > 0))
+            if least[q] > room.max():
+                left.append(i)
+                continue
+            ok = np.flatnonzero((need[:, q] <= room) & (room > 0))
             if len(ok):
                 r = rows[ok]
                 tokens = np.asarray([slot_tokens[rings[x]] for x in ok]) + pad[r, i]
