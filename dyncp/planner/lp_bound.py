@@ -97,10 +97,15 @@ r_i, r_j), its value is also at least the least of what each way a plan can run 
   ``rmin``. A sequence s that runs in one of the two groups ("rides") saves its rmin there but
   takes r(s, c) >= w_s = min(r(s, c_i), r(s, c_j)) >= rmin(s) of the groups' busy time, which is
   at most c (L_w - F[c]) - r_i (resp. r_j) per group (contract 2 over the group's micro-batches
-  in w). So W (S - o) >= (c_i + c_j) L_w + sum_{s != i, j} rmin(s) - K(X(L_w)), K(X) the
-  fractional knapsack of values rmin(s), weights w_s, capacity X(L) = c_i (L - F[c_i]) - r_i +
-  c_j (L - F[c_j]) - r_j (clamped at 0). Every ratio rmin / w_s <= 1, so K grows at most as
-  fast as X, which grows as (c_i + c_j) L: the right side is least at L = a*.
+  in w). So W (S - o) >= (c_i + c_j) L_w + sum_{s != i, j} rmin(s) - saved, where saved, the
+  riders' rmin, is at most K(X(L_w)), K(X) the fractional knapsack of values rmin(s), weights
+  w_s, capacity X(L) = X_i(L) + X_j(L), X_i(L) = c_i (L - F[c_i]) - r_i (each clamped at 0):
+  the riders' weights fit both rooms together. It is also at most K_i(X_i(L_w)) +
+  K_j(X_j(L_w)), K_g the fractional knapsack at weights r(s, c_g): the riders of group g take
+  r(s, c_g) of its room alone, so they are a packing of that knapsack, and saved splits into
+  the two groups' riders. The smaller of the two bounds serves. Every ratio rmin / w_s and
+  rmin / r(s, c_g) is <= 1, so each knapsack grows at most as fast as its capacity, which
+  grows as (c_i + c_j) L (resp. c_g L): the right side is least at L = a*.
 
 The node's value is the larger of its LP's and the least of these (the pair bound).
 
@@ -403,21 +408,33 @@ def _pair_value(
     if ci + cj > world:
         return apart
     level = max(times)
-    room = ci * (level - fixed[ki]) - r[ki, i] + cj * (level - fixed[kj]) - r[kj, j]
+    room_i = max(ci * (level - fixed[ki]) - r[ki, i], 0.0)
+    room_j = max(cj * (level - fixed[kj]) - r[kj, j], 0.0)
     rest = np.ones(r.shape[1], dtype=bool)
     rest[[i, j]] = False
     value = rmin[rest]
-    weight = np.minimum(r[ki, rest], r[kj, rest])
+    # What riders save: at most the fractional knapsack of both rooms together at each rider's
+    # cheaper weight of the two groups, and at most the sum of each group's own knapsack at its
+    # own weights (the riders of one group fit that group's room).
+    saved = min(
+        _knapsack(value, np.minimum(r[ki, rest], r[kj, rest]), room_i + room_j),
+        _knapsack(value, r[ki, rest], room_i) + _knapsack(value, r[kj, rest], room_j),
+    )
+    shared = ((ci + cj) * level + float(value.sum()) - saved) / world
+    return min(shared, apart)
+
+
+def _knapsack(value: np.ndarray, weight: np.ndarray, room: float) -> float:
+    """The fractional knapsack: the most ``value`` items of ``weight`` fit in ``room`` (items
+    of infinite or zero weight left out)."""
     ok = np.isfinite(weight) & (weight > 0)
     ratio = value[ok] / weight[ok]
     order = np.argsort(-ratio, kind="stable")
     cum_w = np.cumsum(weight[ok][order])
     cum_v = np.cumsum(value[ok][order])
-    n = int(np.searchsorted(cum_w, max(room, 0.0)))
-    saved = float(cum_v[-1]) if len(order) else 0.0
-    if n < len(order):
-        before_w = float(cum_w[n - 1]) if n else 0.0
-        before_v = float(cum_v[n - 1]) if n else 0.0
-        saved = before_v + (max(room, 0.0) - before_w) * float(ratio[order[n]])
-    shared = ((ci + cj) * level + float(value.sum()) - saved) / world
-    return min(shared, apart)
+    n = int(np.searchsorted(cum_w, room))
+    if n >= len(order):
+        return float(cum_v[-1]) if len(order) else 0.0
+    before_w = float(cum_w[n - 1]) if n else 0.0
+    before_v = float(cum_v[n - 1]) if n else 0.0
+    return before_v + (room - before_w) * float(ratio[order[n]])
