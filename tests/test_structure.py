@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_helpers import assert_exactly_once, topologies
 
+from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.assignment import Assignment
@@ -251,3 +252,38 @@ def test_misfits_share_one_room() -> None:
     room = levels[0] - costs.alone[k4, [2, 3]].sum()
     assert costs.seconds[k4, 4] <= room < 2 * costs.seconds[k4, 4]
     assert search.misfits(s).tolist() == [5]
+
+
+def test_overshoot_names_the_short_sequences_that_lift_a_group() -> None:
+    """A realisation that pours both 250-token sequences onto the group of two stacked 1024s
+    lifts it above its wave's fluid level by more than one pass at size 1: ``overshoot`` names
+    short members of that group only, longest first, until their seconds cover the excess
+    (here the longer alone does not, so both), and nothing when every group is within it."""
+    topo = Topology(8, 8, 256)
+    model = model_for(8)
+    lengths = np.asarray([1024, 1024, 1024, 700, 250, 240] + [20] * 8)
+    g = GreedyConstructor(lengths, topo, model)
+    search = StructureSearch(g.costs, 0.001, 0.002, long_share=10.0, extra_long=np.asarray([3]))
+    k4 = g.costs.index(4)
+    s = Structure((0, 1, 2, 3), (0, 0, 0, 0), (k4, k4, k4, k4), (0, 0, 1, 1))
+    _, levels, _ = search.levels(s)
+    plan = g.assemble([[(4, [0, 1, 4, 5]), (4, [2, 3])], [(1, [i]) for i in range(6, 14)]])
+    plan.validate()
+    cost = evaluate_plan(plan, model)
+    first = plan.waves[0].groups[0]
+    assert sorted(i for mb in first.microbatches for i in mb.seq_ids) == [0, 1, 4, 5]
+    seconds = float(sum(cost.microbatch_seconds[0][: len(first.microbatches)]))
+    excess = seconds - levels[0] - model.fixed_seconds(1)
+    assert excess > 0
+    named = g.overshoot(plan, s, search).tolist()
+    assert named and set(named) <= {4, 5}
+    covered = [
+        float(g.costs.seconds[k4, i]) for i in sorted(named, key=lambda i: -g.costs.seconds[k4, i])
+    ]
+    # The longer one alone does not cover the excess, so both are named (all there are).
+    assert sorted(named) == [4, 5] and excess > sum(covered[:-1])
+    # The same structure realised as the search pours it leaves the 1024s' group within reach.
+    calm = g.assemble(
+        [[(4, [0, 1]), (4, [2, 3])], [(1, [4, 6]), (1, [5, 7])] + [(1, [i]) for i in range(8, 14)]]
+    )
+    assert g.overshoot(calm, s, search).tolist() == []

@@ -6,8 +6,9 @@ order of promise (``candidates``), each priced with the exact cost model:
 
 1. the structure search's best structures (``dyncp.planner.structure``: waves, groups -- which
    may stack several long sequences -- and CP sizes of the long sequences, priced with a fluid
-   model; searched again with the short sequences the best one has no room for placed as long
-   ones), realised by ``fill``: long sequences in their groups, the longest short ones that run
+   model; searched again with the short sequences the best one has no room for, or that its
+   realisation left above a wave's fluid level (``overshoot``), placed as long ones), realised
+   by ``fill``: long sequences in their groups, the longest short ones that run
    efficiently on a ring into the rings' room, the rest poured up to the fluid levels, slots
    charged the passes their tokens need;
 2. stretch-rule structures (``build``): CP size per sequence = the cheapest in rank-seconds,
@@ -453,6 +454,40 @@ class GreedyConstructor:
         eff = search.eff if RING_FIRST else None
         return self.fill(wave_groups, search.short.tolist(), list(levels), passes, eff)
 
+    def overshoot(
+        self, plan: StepPlan, structure: Structure, search: StructureSearch
+    ) -> np.ndarray:
+        """Short sequences of ``plan`` (a realisation of ``structure``) that lift a group above
+        its wave's fluid level (plus one pass at size 1, what ``fill`` charges on top of it).
+
+        Pouring treats short work as divisible; coarse sequences that did not fit where the
+        fluid model put them end up raising a wave, and every slot of that wave then fills up
+        to the raised level. Per such group its short members, longest first, until their
+        seconds cover the excess: placed as long ones, the structure search prices them where
+        they are."""
+        _, levels, extra = search.levels(structure)
+        n_long = len(levels) - int(extra)
+        short = set(search.short.tolist())
+        cost = evaluate_plan(plan, self.model)
+        slack = self.model.fixed_seconds(1)
+        out: list[int] = []
+        for w, (wave, seconds) in enumerate(zip(plan.waves[:n_long], cost.microbatch_seconds)):
+            j = 0
+            for group in wave.groups:
+                n = len(group.microbatches)
+                excess = float(sum(seconds[j : j + n])) - levels[w] - slack
+                j += n
+                if excess <= 0:
+                    continue
+                row = self.costs.index(group.size)
+                members = [i for mb in group.microbatches for i in mb.seq_ids if i in short]
+                for i in sorted(members, key=lambda i: (-self.seconds[row, i], i)):
+                    if excess <= 0:
+                        break
+                    out.append(i)
+                    excess -= float(self.seconds[row, i])
+        return np.asarray(sorted(out), dtype=np.int64)
+
     def _starts(self, search: StructureSearch) -> list[Structure]:
         """The structure search's starts (``structured``), cheapest fluid price first."""
         rank_seconds = self.seconds * self.sizes[:, None]
@@ -503,7 +538,9 @@ class GreedyConstructor:
         ranked = self._starts(search)
         first = search.improve(ranked[0], first_stop)
         yield self.realise(first, search, passes=False)
-        yield self.realise(first, search)
+        plan = self.realise(first, search)
+        realised = {first: plan}
+        yield plan
         done = {first}
         for round_ in range(MISFIT_ROUNDS + 1):
             found: dict[Structure, float] = {first: search.levels(first)[0]} if not round_ else {}
@@ -515,8 +552,11 @@ class GreedyConstructor:
             best = sorted(found, key=lambda s: found[s])
             for s in [s for s in best if s not in done][: STRUCTURES_REALISED - 1]:
                 done.add(s)
-                yield self.realise(s, search)
+                realised[s] = self.realise(s, search)
+                yield realised[s]
             misfit = search.misfits(best[0]) if best else np.zeros(0, np.int64)
+            if best and best[0] in realised:
+                misfit = np.union1d(misfit, self.overshoot(realised[best[0]], best[0], search))
             if not len(misfit) or (deadline is not None and time.perf_counter() >= deadline):
                 break
             # Short sequences the best structure has no room for: place them explicitly, in
