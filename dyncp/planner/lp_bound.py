@@ -85,29 +85,36 @@ open node whose fixings agree with P, with T = S - o):
   are slower than the serial plan (each sequence alone at its fastest size, one wave each),
   whose node is feasible. So the least open value is at most S.
 
-The two longest (by least time alone) free sequences i, j are branched on first, whatever the
-LP does with them; once a node fixes their sizes c_i, c_j (times alone a_i, a_j, rank-seconds
-r_i, r_j), its value is also at least the least of what each way a plan can run them costs:
+The ``TOP`` longest (by least time alone) free sequences are branched on first, whatever the LP
+does with them. A node that fixes the sizes of a set H of them (each h at size c_h, time alone
+a_h, rank-seconds r_h) also gets the wave-holding bound of H: the least, over every way a plan
+can lay H out, of what that layout costs. A layout is a partition of H into groups (one size
+each), and of the groups into waves (sizes summing to at most W). In a plan P with that layout:
 
-- in one micro-batch (c_i = c_j, their tokens fit): S >= its seconds + o (contract 1);
-- in one group, or in two waves: their micro-batches run one after the other, S >= a_i + a_j + o;
-- in one wave w, two groups (c_i + c_j <= W): with L = a* = max(a_i, a_j) <= L_w, the ranks of
-  both groups spend (c_i + c_j) L_w in w. Every other micro-batch (outside those two groups in
-  w) costs its ranks at least the r of its sequences (contract 2), at least their least r,
-  ``rmin``. A sequence s that runs in one of the two groups ("rides") saves its rmin there but
-  takes r(s, c) >= w_s = min(r(s, c_i), r(s, c_j)) >= rmin(s) of the groups' busy time, which is
-  at most c (L_w - F[c]) - r_i (resp. r_j) per group (contract 2 over the group's micro-batches
-  in w). So W (S - o) >= (c_i + c_j) L_w + sum_{s != i, j} rmin(s) - saved, where saved, the
-  riders' rmin, is at most K(X(L_w)), K(X) the fractional knapsack of values rmin(s), weights
-  w_s, capacity X(L) = X_i(L) + X_j(L), X_i(L) = c_i (L - F[c_i]) - r_i (each clamped at 0):
-  the riders' weights fit both rooms together. It is also at most K_i(X_i(L_w)) +
-  K_j(X_j(L_w)), K_g the fractional knapsack at weights r(s, c_g): the riders of group g take
-  r(s, c_g) of its room alone, so they are a packing of that knapsack, and saved splits into
-  the two groups' riders. The smaller of the two bounds serves. Every ratio rmin / w_s and
-  rmin / r(s, c_g) is <= 1, so each knapsack grows at most as fast as its capacity, which
-  grows as (c_i + c_j) L (resp. c_g L): the right side is least at L = a*.
+- a group g spends at least t_g in its wave: the cheapest split of its sequences into
+  micro-batches that fit (c C tokens), each at least its contract-1 seconds (one alone: a_h);
+- a wave q holding groups G_q has level L_q >= A_q = max_{g in G_q} t_g, and S >= sum_q (L_q + o),
+  so S - o >= sum_q L_q + (p - 1) o for p waves;
+- the (rank, wave) cells of P are disjoint, and W (S - o) >= W sum_w M_w counts them all with
+  their levels. Group g holds its c_g ranks for L_q in its wave q: c_g L_q. Every other sequence
+  s runs either in one of those groups (it "rides") or in a micro-batch outside them, of some
+  size c, which holds at most c C padded tokens and costs its c ranks at least c F[c] + the sum
+  of its sequences' r (contract 2); shared by tokens, s pays at least r(s, c) + F[c] len(s) / C
+  >= v_s = rmin(s) + F_min len(s) / C. Let R be the sizes of H's groups in this layout, w_s =
+  min_{c in R} r(s, c) and u_s = min(v_s, w_s) <= v_s. So W (S - o) >= sum_q sum_{g in G_q}
+  c_g L_q + sum_{s not in H} u_s - saved, where saved, the riders' u, is bounded twice. A
+  rider of g takes r(s, c_g) >= w_s of g's busy time, which is at most X_g = c_g (L_q - F[c_g])
+  - sum_{h in g} r_h (contract 2 over g's micro-batches in q; clamped at 0): saved <= K(sum_g
+  X_g), K the fractional knapsack of values u_s, weights w_s; and saved <= sum_g K_g(X_g), K_g
+  at weights r(s, c_g) (g's riders are a packing of g's own knapsack). The smaller serves.
+- Each ratio u_s / w_s and u_s / r(s, c_g) is <= 1 (c_g in R), so each knapsack, and so their
+  minimum, grows at most as fast as its capacity, which grows as sum_{g in G_q} c_g L_q: both
+  sides are least at L_q = A_q, where the layout's value is (p - 1) o + max(sum_q A_q,
+  (sum_q sum_{g in G_q} c_g A_q + sum_{s not in H} u_s - saved) / W).
 
-The node's value is the larger of its LP's and the least of these (the pair bound).
+P has one layout of H, so S - o is at least the least layout value. The node's value is the
+larger of its LP's and this; ``TOP`` = 2 is the pair bound (two groups in one wave, or the two
+one after the other).
 
 So the reported value is at most S for every plan. It is not GLOP's objective but the Lagrangian
 bound of its dual solution evaluated in float64 over explicit variable boxes (each containing
@@ -115,14 +122,16 @@ the point above: T <= the serial plan's seconds, n[c] <= all tokens at c, m[c] <
 number of free sequences, z <= the fixed tokens / C), valid for any multipliers, so solver
 tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
 
-Cost: about 5-25 ms per 512-sequence step here (build + one to six solves); the simulator
-computes it every step; the plan service may skip it (``Planner(bound="simple")``).
+Cost: about 5-25 ms per 512-sequence step here (build + one to six solves, and up to a few
+hundred layouts of the ``TOP`` = 4 longest sequences per distinct set of their sizes); the
+simulator computes it every step; the plan service may skip it (``Planner(bound="simple")``).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +148,9 @@ __all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
 # in a row may leave the least open value where it was before it stops.
 MAX_SOLVES = 6
 STALLED_SOLVES = 3
+# Longest sequences whose sizes are branched on first and whose wave layouts the wave-holding
+# bound enumerates (its cost grows with the set partitions of TOP sequences, twice).
+TOP = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,30 +293,25 @@ def lp_lower_bound(
 
     # Branching order: the longest sequences first (by their least time alone).
     by_time = np.argsort(-alone[:, free].min(axis=0), kind="stable").tolist() if nf else []
-    shared: dict[tuple[int, int], float] = {}
+    riders = _Riders(r, rmin + fixed.min() * lengths / cap)
+    held_cache: dict[tuple[tuple[int, int], ...], float] = {}
 
-    def pair(fix: dict[int, int]) -> float:
-        """The two longest sequences' bound once both sizes are fixed (module docstring)."""
-        if nf < 2 or by_time[0] not in fix or by_time[1] not in fix:
+    def held(fix: dict[int, int]) -> float:
+        """The wave-holding bound of the longest sequences the node fixes (module docstring)."""
+        key = tuple((j, fix[j]) for j in by_time[:TOP] if j in fix)
+        if not key:
             return 0.0
-        qa, qb = fix[by_time[0]], fix[by_time[1]]
-        key = (int(pk[qa]), int(pk[qb]))
-        if key not in shared:
-            i, j = int(pi[qa]), int(pi[qb])
-            together = np.inf
-            if key[0] == key[1] and yp[qa] + yp[qb] <= csz[key[0]] * cap:
-                together = model.microbatch_seconds(sizes[key[0]], lengths[[i, j]])
-            shared[key] = _pair_value(
-                (i, j), key, (float(ya[qa]), float(ya[qb])), together, (sizes, w, r, rmin, fixed)
-            )
-        return shared[key] + wo
+        if key not in held_cache:
+            items = [(int(pi[q]), int(pk[q]), float(ya[q]), float(yr[q])) for _, q in key]
+            held_cache[key] = _held_value(items, riders, model, lengths, (sizes, w, cap, fixed, wo))
+        return held_cache[key] + wo
 
     def closed(fix: dict[int, int]) -> float:
         if not fix:
             return 0.0
         qs = np.asarray(list(fix.values()))
         spread = (rmin.sum() - rmin[pi[qs]].sum() + yr[qs].sum()) / w
-        return max(max(float(ya[qs].max()), spread) + wo, pair(fix))
+        return max(max(float(ya[qs].max()), spread) + wo, held(fix))
 
     def solve(fix: dict[int, int]) -> tuple[float, np.ndarray | None, str]:
         var_lo = np.zeros(nv)
@@ -323,12 +330,12 @@ def lp_lower_bound(
         duals = np.asarray(solver.dual_values(lp.get_linear_constraints()), dtype=np.float64)
         x = np.asarray(solver.values(lp.get_variables()), dtype=np.float64)
         got = _lagrangian(duals, a, lo_a, hi_a, obj, var_lo, hi_q) + wo
-        return max(got, pair(fix)), x[iy], status.name
+        return max(got, held(fix)), x[iy], status.name
 
     def branch(fix: dict[int, int], y: np.ndarray) -> int | None:
-        """The longest free sequence the node runs at a mix of sizes; first, the two longest
-        until both sizes are fixed (the pair bound needs them)."""
-        top = next((j for j in by_time[:2] if j not in fix), None) if nf >= 2 else None
+        """The longest free sequence the node runs at a mix of sizes; first, the ``TOP``
+        longest until their sizes are fixed (the wave-holding bound needs them)."""
+        top = next((j for j in by_time[:TOP] if j not in fix), None)
         if top is not None:
             return top
         return next((j for j in by_time if j not in fix and y[options[j]].max() < 1 - 1e-6), None)
@@ -386,42 +393,142 @@ def _lagrangian(
     return float(d @ lo + box.sum())
 
 
-def _pair_value(
-    ids: tuple[int, int],
-    rows: tuple[int, int],
-    times: tuple[float, float],
-    together: float,
-    tables: tuple[list[int], int, np.ndarray, np.ndarray, np.ndarray],
-) -> float:
-    """Seconds (without the wave overhead) no plan beats that runs sequences ``ids`` at the
-    sizes of ``rows`` (times alone ``times``), whether they share a wave or not (module
-    docstring, "the two longest"); ``together``: one micro-batch of both (inf when their
-    tokens do not fit one).
+def _partitions(items: list) -> Iterator[list[list]]:
+    """Every set partition of ``items`` (blocks as lists)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for b in range(len(part)):
+            yield [*part[:b], [first, *part[b]], *part[b + 1 :]]
 
-    tables: the allowed sizes, W, r (rank-seconds per size and sequence, inf where not
-    allowed), its least per sequence, and the fixed seconds per size.
+
+class _Riders:
+    """Fractional knapsacks of the sequences other than a held set. A sequence outside the held
+    groups costs at least ``u`` = min(least r + F_min tokens / C, its least r over ``vrows``);
+    as a rider it weighs its r at one size, or the least over several (``wrows``, a subset of
+    ``vrows``, so u / weight <= 1). Sorted once per (wrows, vrows, held set)."""
+
+    def __init__(self, r: np.ndarray, floor: np.ndarray) -> None:
+        self.r, self.floor = r, floor
+        self.values: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
+        self.tables: dict[tuple[tuple[int, ...], ...], tuple[np.ndarray, ...]] = {}
+
+    def value(self, vrows: tuple[int, ...], held: tuple[int, ...]) -> np.ndarray:
+        """u per sequence, 0 for the held ones."""
+        key = (vrows, held)
+        if key not in self.values:
+            u = np.minimum(self.floor, self.r[list(vrows)].min(axis=0))
+            u[list(held)] = 0.0
+            self.values[key] = u
+        return self.values[key]
+
+    def rest(self, vrows: tuple[int, ...], held: tuple[int, ...]) -> float:
+        """What the sequences not held cost at least, riding nowhere."""
+        return float(self.value(vrows, held).sum())
+
+    def best(
+        self, wrows: tuple[int, ...], vrows: tuple[int, ...], held: tuple[int, ...], room: float
+    ) -> float:
+        """Most u the non-held sequences fit in ``room`` at weights min over ``wrows``."""
+        if room <= 0:
+            return 0.0
+        key = (wrows, vrows, held)
+        if key not in self.tables:
+            weight = self.r[list(wrows)].min(axis=0)
+            u = self.value(vrows, held)
+            ok = np.isfinite(weight) & (weight > 0)
+            ok[list(held)] = False
+            ratio = u[ok] / weight[ok]
+            order = np.argsort(-ratio, kind="stable")
+            self.tables[key] = (
+                np.cumsum(weight[ok][order]),
+                np.cumsum(u[ok][order]),
+                ratio[order],
+            )
+        cum_w, cum_v, ratio = self.tables[key]
+        n = int(np.searchsorted(cum_w, room))
+        if n >= len(cum_w):
+            return float(cum_v[-1]) if len(cum_w) else 0.0
+        before_w = float(cum_w[n - 1]) if n else 0.0
+        before_v = float(cum_v[n - 1]) if n else 0.0
+        return before_v + (room - before_w) * float(ratio[n])
+
+
+def _held_value(
+    items: list[tuple[int, int, float, float]],
+    riders: _Riders,
+    model: CostModel,
+    lengths: np.ndarray,
+    tables: tuple[list[int], int, int, np.ndarray, float],
+) -> float:
+    """Seconds (without one wave overhead) no plan beats that runs each of ``items`` (sequence,
+    size row, time alone, r) at its size, however it lays them out in groups and waves (module
+    docstring, "the longest sequences' waves").
+
+    tables: the allowed sizes, W, C, the fixed seconds per size, the wave overhead.
     """
-    sizes, world, r, rmin, fixed = tables
-    (i, j), (ki, kj) = ids, rows
-    ci, cj = sizes[ki], sizes[kj]
-    apart = min(times[0] + times[1], together)
-    if ci + cj > world:
-        return apart
-    level = max(times)
-    room_i = max(ci * (level - fixed[ki]) - r[ki, i], 0.0)
-    room_j = max(cj * (level - fixed[kj]) - r[kj, j], 0.0)
-    rest = np.ones(r.shape[1], dtype=bool)
-    rest[[i, j]] = False
-    value = rmin[rest]
-    # What riders save: at most the fractional knapsack of both rooms together at each rider's
-    # cheaper weight of the two groups, and at most the sum of each group's own knapsack at its
-    # own weights (the riders of one group fit that group's room).
-    saved = min(
-        _knapsack(value, np.minimum(r[ki, rest], r[kj, rest]), room_i + room_j),
-        _knapsack(value, r[ki, rest], room_i) + _knapsack(value, r[kj, rest], room_j),
-    )
-    shared = ((ci + cj) * level + float(value.sum()) - saved) / world
-    return min(shared, apart)
+    sizes, world, cap, fixed, wo = tables
+    held = tuple(sorted(i for i, *_ in items))
+    best = np.inf
+    for groups in _partitions(items):
+        if any(len({k for _, k, *_ in g}) > 1 for g in groups):
+            continue  # a group has one size
+        times = [_group_seconds(g, sizes[g[0][1]], cap, model, lengths) for g in groups]
+        if not all(np.isfinite(times)):
+            continue
+        for waves in _partitions(list(range(len(groups)))):
+            if any(sum(sizes[groups[g][0][1]] for g in q) > world for q in waves):
+                continue
+            span, hold, rooms, rows = 0.0, 0.0, [], []
+            for q in waves:
+                level = max(times[g] for g in q)
+                span += level
+                for g in q:
+                    k = groups[g][0][1]
+                    hold += sizes[k] * level
+                    room = sizes[k] * (level - fixed[k]) - sum(x[3] for x in groups[g])
+                    rooms.append(max(room, 0.0))
+                    rows.append(k)
+            every = tuple(sorted(set(rows)))
+            saved = min(
+                sum(riders.best((k,), every, held, x) for k, x in zip(rows, rooms, strict=True)),
+                riders.best(every, every, held, sum(rooms)),
+            )
+            rest = riders.rest(every, held)
+            value = (len(waves) - 1) * wo + max(span, (hold + rest - saved) / world)
+            best = min(best, value)
+    return best
+
+
+def _group_seconds(
+    group: list[tuple[int, int, float, float]],
+    c: int,
+    cap: int,
+    model: CostModel,
+    lengths: np.ndarray,
+) -> float:
+    """Least seconds a group of size ``c`` spends running ``group``'s sequences (time alone
+    given) in one wave: the cheapest split into micro-batches that fit, each block at least its
+    contract-1 seconds; inf when none fits (the last sequence alone always fits)."""
+    if len(group) == 1:
+        return group[0][2]
+    best = np.inf
+    for part in _partitions(group):
+        total = 0.0
+        for block in part:
+            if len(block) == 1:
+                total += block[0][2]
+                continue
+            ids = np.asarray([x[0] for x in block])
+            if CostModel.padded(c, lengths[ids]).sum() > c * cap:
+                total = np.inf
+                break
+            total += model.microbatch_seconds(c, lengths[ids])
+        best = min(best, total)
+    return best
 
 
 def _knapsack(value: np.ndarray, weight: np.ndarray, room: float) -> float:
