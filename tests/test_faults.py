@@ -85,13 +85,15 @@ def hand_plan(extra: int = 0) -> StepPlan:
 
 
 def _release(store: dist.Store) -> None:
-    store.set("release", "1")
+    store.add("released", 1)
 
 
 def _held(store: dist.Store, limit: float) -> None:
-    """Block (a hung rank) until the others released it, at most ``limit`` seconds."""
+    """Block (a hung rank) until every other rank is done with the step, at most ``limit``
+    seconds: released by the first one alone, it could report before a slower survivor (on a
+    loaded machine) has named it, and be taken for alive."""
     end = time.monotonic() + limit
-    while not store.check(["release"]) and time.monotonic() < end:
+    while store.add("released", 0) < WORLD - 1 and time.monotonic() < end:
         time.sleep(0.05)
 
 
