@@ -16,10 +16,12 @@ import itertools
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_lp_bound import any_model
 
+import dyncp.planner.lp_bound as lp_bound
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.bound import lower_bound
@@ -119,6 +121,9 @@ def small_batches(draw: st.DrawFn) -> tuple[Topology, list[int]]:
 @example(case=(Topology(4, 4, 256), [38, 246, 190]), kind="reference")
 @example(case=(Topology(8, 4, 256), [324, 372, 448, 43]), kind="reference")
 @example(case=(Topology(4, 4, 256), [401, 164, 11, 275]), kind="quadratic")
+# The wave-holding row on three and four sequences (it meets the optimum on these).
+@example(case=(Topology(8, 2, 100), [185, 328, 320, 1]), kind="reference")
+@example(case=(Topology(8, 4, 64), [28, 192, 168, 122]), kind="quadratic")
 def test_lp_bound_never_above_the_optimum(case: tuple[Topology, list[int]], kind: str) -> None:
     topo, lengths = case
     model = any_model(kind, topo.ranks_per_node)
@@ -131,6 +136,28 @@ def test_lp_bound_never_above_the_optimum(case: tuple[Topology, list[int]], kind
         assert lp.solves <= budget
         assert previous * (1 - REL) <= lp.seconds <= best * (1 + REL), (budget, lp, best)
         previous = lp.seconds
+
+
+@pytest.mark.parametrize(
+    ("topo", "lengths", "kind"),
+    [
+        (Topology(8, 2, 100), [185, 328, 320, 1], "reference"),
+        (Topology(8, 4, 100), [273, 367, 176], "reference"),
+        (Topology(8, 4, 64), [28, 192, 168, 122], "quadratic"),
+    ],
+)
+def test_holding_more_sequences_reaches_the_optimum(
+    topo: Topology, lengths: list[int], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three or four sequences on 8 ranks: the bound that lays out all of them in groups and waves
+    meets the exhaustive optimum; holding only the two longest leaves it at least 30% below."""
+    model = any_model(kind, topo.ranks_per_node)
+    best = optimum(lengths, topo, model)
+    held = lp_lower_bound(np.asarray(lengths), topo, model)
+    assert held.seconds == pytest.approx(best, rel=1e-9)
+    monkeypatch.setattr(lp_bound, "TOP", 2)
+    two = lp_lower_bound(np.asarray(lengths), topo, model)
+    assert two.seconds * 1.3 < best
 
 
 def test_exhaustive_optimum_by_hand() -> None:
