@@ -76,6 +76,9 @@ MISFIT_ROUNDS = 2
 IMPROVED_STARTS = 8
 # Share of the time to the deadline the first structure-search start may take.
 FIRST_SHARE = 0.3
+#: Share of the time to the deadline that building the column-packing starts may take (they
+#: cost milliseconds at 64 ranks, seconds at 16,384).
+STARTS_SHARE = 0.15
 # How many of the structure search's best structures are realised as candidates.
 STRUCTURES_REALISED = 3
 # Share of the time to the deadline spent pricing candidates; the local search gets the rest.
@@ -398,23 +401,33 @@ class GreedyConstructor:
             ]
         )
         room = np.asarray(level)[waves] - loads
-        sizes = self.sizes[rows]
+        # Per CP size (a handful), not per ring (thousands at 16,384 ranks): ring x sequence
+        # tables would not fit in time.
+        sizes_used, ring_size = np.unique(rows, return_inverse=True)
         with np.errstate(divide="ignore", invalid="ignore"):
             good = (
-                self.seconds[rows][:, pool] * sizes[:, None] * eff[rows][:, None]
+                self.seconds[sizes_used][:, pool]
+                * self.sizes[sizes_used][:, None]
+                * eff[sizes_used][:, None]
                 <= (self.seconds[0, pool][None, :])
             )
         # A sequence fits a ring only if its marginal seconds there are within the room left
         # (the passes it adds only raise the load): a cheap necessary test per sequence.
-        need = np.where(good, marg[rows][:, pool], np.inf)
+        need = np.where(good, marg[sizes_used][:, pool], np.inf)
         least = need.min(axis=0).tolist()
         left: list[int] = []
-        for q in np.argsort(-self.seconds[0, pool], kind="stable").tolist():
+        by_length = np.argsort(-self.seconds[0, pool], kind="stable").tolist()
+        for n, q in enumerate(by_length):
             i = int(pool[q])
+            # Past the deadline the rest is poured as usual (a sound plan, sooner): at 16,384
+            # ranks this loop alone takes seconds.
+            if n % 256 == 255 and self.deadline is not None and time.perf_counter() > self.deadline:
+                left.extend(int(pool[x]) for x in by_length[n:])
+                break
             if least[q] > room.max():
                 left.append(i)
                 continue
-            ok = np.flatnonzero((need[:, q] <= room) & (room > 0))
+            ok = np.flatnonzero((need[ring_size, q] <= room) & (room > 0))
             if len(ok):
                 r = rows[ok]
                 tokens = np.asarray([slot_tokens[rings[x]] for x in ok]) + pad[r, i]
@@ -488,8 +501,12 @@ class GreedyConstructor:
                     excess -= float(self.seconds[row, i])
         return np.asarray(sorted(out), dtype=np.int64)
 
-    def _starts(self, search: StructureSearch) -> list[Structure]:
-        """The structure search's starts (``structured``), cheapest fluid price first."""
+    def _starts(self, search: StructureSearch, stop: float | None = None) -> list[Structure]:
+        """The structure search's starts (``structured``), cheapest fluid price first.
+
+        The column packings (each a pass over every long sequence and group: half a second at
+        16,384 ranks) are built until ``stop`` (``time.perf_counter()`` seconds), all of them
+        without one."""
         rank_seconds = self.seconds * self.sizes[:, None]
         rows = [
             self.choose_sizes(1.0, 0),
@@ -509,6 +526,8 @@ class GreedyConstructor:
         if len(search.long) > 1:
             for f in COLUMN_FACTORS:
                 for tolerance in STACK_TOLERANCES:
+                    if stop is not None and time.perf_counter() >= stop:
+                        break
                     s = search.columns(f * ideal, tolerance)
                     starts.setdefault(s, search.levels(s)[0])
         return sorted(starts, key=lambda s: starts[s])  # stable: ties keep the start order
@@ -530,12 +549,15 @@ class GreedyConstructor:
         """
         if self.sizes[0] != 1:
             return
-        first_stop = None
+        first_stop = starts_stop = None
+        if deadline is not None:
+            now = time.perf_counter()
+            starts_stop = now + STARTS_SHARE * max(deadline - now, 0.0)
+        search = StructureSearch(self.costs, self.model.wave_overhead, self.model.fixed_seconds(1))
+        ranked = self._starts(search, starts_stop)
         if deadline is not None:
             now = time.perf_counter()
             first_stop = now + FIRST_SHARE * max(deadline - now, 0.0)
-        search = StructureSearch(self.costs, self.model.wave_overhead, self.model.fixed_seconds(1))
-        ranked = self._starts(search)
         first = search.improve(ranked[0], first_stop)
         yield self.realise(first, search, passes=False)
         plan = self.realise(first, search)

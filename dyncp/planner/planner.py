@@ -82,7 +82,8 @@ class Planner:
         bound: ``"tight"`` (LP, reported every step) or ``"simple"`` (closed form: skips the LP,
             e.g. in the plan service where latency matters more than the report).
         reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
-            pricing (at most half of ``time_limit``).
+            pricing (at most half of ``time_limit``); at least what they took in the previous
+            call (the LP bound takes seconds at 16,384 ranks), still at most half.
         head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
             ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
             split and then gives each group its fastest split (``dyncp.planner.head_split``);
@@ -160,6 +161,7 @@ class Planner:
         self.improver = improver
         self.bound = bound
         self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
+        self._tail_seconds = 0.0  # validation + bounds of the previous call (wall clock)
         self.solver_status_counts: Counter[str] = Counter()
         self.static_cp: int | None = None
         if policy in ("static", "dp-balanced"):
@@ -306,7 +308,8 @@ class Planner:
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
-        deadline = None if self.deterministic else start + self.time_limit - self.reserve_seconds
+        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * self.time_limit)
+        deadline = None if self.deterministic else start + self.time_limit - reserve
         plan, greedy = self._construct(lengths, deadline)
         construct_seconds = time.perf_counter() - start
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
@@ -332,6 +335,7 @@ class Planner:
             bound = lp.seconds
             bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
         t2 = time.perf_counter()
+        self._tail_seconds = t2 - t0
         plan.stats.update(stats)
         plan.stats.update(
             policy=self.policy,
