@@ -26,18 +26,30 @@ multiple of 2c per sequence, so plans validate), and groups are laid out on alig
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
 import numpy as np
 
-from dyncp.plan import StepPlan, Topology, Wave
+from dyncp.plan import StepPlan, Topology, Wave, padded_length
 from dyncp.planner.bound import min_cp_sizes
 from dyncp.planner.packing import place_groups
 
-__all__ = ["megatron_plan", "WORKLOAD_CAP_DELTA"]
+__all__ = [
+    "megatron_plan",
+    "plan_wave_by_wave",
+    "WaveGroup",
+    "full_world_wave",
+    "WORKLOAD_CAP_DELTA",
+]
 
 WORKLOAD_CAP_DELTA = 0.05
 
 
-class _WaveGroup:
+class WaveGroup:
+    """One group of a wave as it is being formed: its CP size, sequence ids, padded tokens and
+    ``len^2 / cp`` workload (shared with the tests' plain-loop reference)."""
+
     __slots__ = ("size", "ids", "tokens", "load")
 
     def __init__(self, size: int) -> None:
@@ -53,11 +65,11 @@ class _SizeGroups:
     __slots__ = ("groups", "tokens", "loads")
 
     def __init__(self) -> None:
-        self.groups: list[_WaveGroup] = []
+        self.groups: list[WaveGroup] = []
         self.tokens = np.zeros(16, dtype=np.int64)
         self.loads = np.zeros(16, dtype=np.float64)
 
-    def add(self, g: _WaveGroup) -> int:
+    def add(self, g: WaveGroup) -> int:
         n = len(self.groups)
         if n == len(self.tokens):
             self.tokens = np.concatenate([self.tokens, np.zeros(n, dtype=np.int64)])
@@ -78,13 +90,9 @@ class _SizeGroups:
         return None if value == np.inf else (value, j)
 
 
-def _padded(length: int, cp: int) -> int:
-    return length if cp == 1 else -(-length // (2 * cp)) * 2 * cp
-
-
 def _form_wave(
     order: list[int], lengths: np.ndarray, min_cp: np.ndarray, topology: Topology
-) -> tuple[list[_WaveGroup], list[int]]:
+) -> tuple[list[WaveGroup], list[int]]:
     """One wave from ``order`` (longest first); returns its groups and the leftover ids."""
     cap_tokens = topology.capacity
     world = topology.world
@@ -93,9 +101,9 @@ def _form_wave(
     cap = tall * cap_tokens * (1.0 + WORKLOAD_CAP_DELTA)
 
     first = order[0]
-    g0 = _WaveGroup(int(min_cp[first]))
+    g0 = WaveGroup(int(min_cp[first]))
     g0.ids.append(first)
-    g0.tokens = _padded(tall, g0.size)
+    g0.tokens = padded_length(tall, g0.size)
     g0.load = tall * tall / g0.size
     groups = [g0]
     by_size = {cp: _SizeGroups() for cp in sizes}
@@ -112,7 +120,7 @@ def _form_wave(
             if cp < min_cp[i]:
                 continue
             work = s * s / cp
-            pad = _padded(s, cp)
+            pad = padded_length(s, cp)
             found = by_size[cp].best(cp * cap_tokens - pad, work, peak)
             if found is not None and found[0] <= cap and (best is None or found[0] < best[0]):
                 best = (found[0], cp, found[1])
@@ -126,13 +134,13 @@ def _form_wave(
         projected, cp, j = best
         same = by_size[cp]
         if j < 0:
-            g = _WaveGroup(cp)
+            g = WaveGroup(cp)
             groups.append(g)
             j = same.add(g)
             free -= cp
         g = same.groups[j]
         g.ids.append(i)
-        g.tokens += _padded(s, cp)
+        g.tokens += padded_length(s, cp)
         g.load += s * s / cp
         same.tokens[j], same.loads[j] = g.tokens, g.load
         peak = projected
@@ -146,32 +154,32 @@ def _form_wave(
             for g in groups:
                 if g.size != smallest:
                     continue
-                if sum(_padded(int(lengths[i]), new) for i in g.ids) > new * cap_tokens:
+                if sum(padded_length(int(lengths[i]), new) for i in g.ids) > new * cap_tokens:
                     continue
-                g.size, g.tokens = new, sum(_padded(int(lengths[i]), new) for i in g.ids)
+                g.size, g.tokens = new, sum(padded_length(int(lengths[i]), new) for i in g.ids)
                 g.load = sum(int(lengths[i]) ** 2 / new for i in g.ids)
                 free -= new - smallest
                 grown = True
                 break
         if not grown:
-            return _full_world_wave(order, lengths, topology)
+            return full_world_wave(order, lengths, topology)
     return groups, leftovers
 
 
-def _full_world_wave(
+def full_world_wave(
     order: list[int], lengths: np.ndarray, topology: Topology
-) -> tuple[list[_WaveGroup], list[int]]:
+) -> tuple[list[WaveGroup], list[int]]:
     """Fallback: one group as large as allowed takes, longest first, whatever fits.
 
     Megatron uses all ranks; here the largest allowed size that still holds the wave's longest
     sequence (the world itself when it is an allowed size), so every wave makes progress.
     """
     tall = int(lengths[order[0]])
-    size = max(c for c in topology.group_sizes if _padded(tall, c) <= c * topology.capacity)
-    g = _WaveGroup(size)
+    size = max(c for c in topology.group_sizes if padded_length(tall, c) <= c * topology.capacity)
+    g = WaveGroup(size)
     leftovers = []
     for i in order:
-        pad = _padded(int(lengths[i]), size)
+        pad = padded_length(int(lengths[i]), size)
         if g.tokens + pad <= size * topology.capacity:
             g.ids.append(i)
             g.tokens += pad
@@ -180,13 +188,34 @@ def _full_world_wave(
     return [g], leftovers
 
 
-def megatron_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
-    """Plan a step the way Megatron Core's dynamic-CP scheduler would."""
+class _FormedGroup(Protocol):
+    size: int
+    ids: list[int]
+
+
+#: One wave from the remaining ids (longest first): its groups and the ids left for later waves.
+FormWave = Callable[
+    [list[int], np.ndarray, np.ndarray, Topology], tuple[Sequence[_FormedGroup], list[int]]
+]
+
+
+def plan_wave_by_wave(
+    lengths: np.ndarray, topology: Topology, form_wave: FormWave, policy: str
+) -> StepPlan:
+    """The plan Megatron-style schedulers build: waves formed one after another from the
+    sequences left, longest first, each group one packed micro-batch placed on aligned ranks.
+    Shared by ``megatron``, ``megatron-min-cp`` and the tests' plain-loop reference; they differ
+    only in ``form_wave``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     min_cp = min_cp_sizes(lengths, topology)
     remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     waves = []
     while remaining:
-        groups, remaining = _form_wave(remaining, lengths, min_cp, topology)
+        groups, remaining = form_wave(remaining, lengths, min_cp, topology)
         waves.append(Wave(place_groups([(g.size, [g.ids]) for g in groups], topology)))
-    return StepPlan(topology, tuple(int(s) for s in lengths), tuple(waves), policy="megatron")
+    return StepPlan(topology, tuple(int(s) for s in lengths), tuple(waves), policy=policy)
+
+
+def megatron_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
+    """Plan a step the way Megatron Core's dynamic-CP scheduler would."""
+    return plan_wave_by_wave(lengths, topology, _form_wave, "megatron")

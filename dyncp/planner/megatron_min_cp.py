@@ -27,9 +27,8 @@ from collections import deque
 
 import numpy as np
 
-from dyncp.plan import StepPlan, Topology, Wave, padded_length
-from dyncp.planner.bound import min_cp_sizes
-from dyncp.planner.packing import place_groups
+from dyncp.plan import StepPlan, Topology, padded_length
+from dyncp.planner.megatron import plan_wave_by_wave
 
 __all__ = ["megatron_min_cp_plan", "BALANCE_DELTA", "BUCKET_SLACK"]
 
@@ -130,13 +129,4 @@ def _form_wave(
 
 def megatron_min_cp_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
     """Plan a step the way Megatron Core's June 2026 dynamic-CP scheduler would."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    min_cp = min_cp_sizes(lengths, topology)
-    remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    waves = []
-    while remaining:
-        groups, remaining = _form_wave(remaining, lengths, min_cp, topology)
-        waves.append(Wave(place_groups([(g.size, [g.ids]) for g in groups], topology)))
-    return StepPlan(
-        topology, tuple(int(s) for s in lengths), tuple(waves), policy="megatron-min-cp"
-    )
+    return plan_wave_by_wave(lengths, topology, _form_wave, "megatron-min-cp")
