@@ -52,6 +52,7 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dyncp.plan import StepPlan, padded_length
+from dyncp.planner.head_split import layout_histogram
 
 if TYPE_CHECKING:
     from dyncp.cost_model.evaluate import PlanCost
@@ -398,9 +399,7 @@ class Metrics:
                 policy, status if status in SOLVER_STATUSES else "OTHER"
             ).inc()
         counts: dict[int, list[int]] = {}  # cp -> [micro-batches, sequences, tokens, padding]
-        layouts: dict[str, int] = {}
         for _, group, mb in plan.microbatches():
-            layouts[group.layout_name] = layouts.get(group.layout_name, 0) + len(mb.seq_ids)
             c = counts.setdefault(group.size, [0, 0, 0, 0])
             c[0] += 1
             c[1] += len(mb.seq_ids)
@@ -414,7 +413,7 @@ class Metrics:
             self.sequences.labels(policy, label).inc(n_seq)
             self.tokens.labels(policy, label).inc(n_tok)
             self.padding_tokens.labels(policy, label).inc(n_pad)
-        for name, n in sorted(layouts.items()):
+        for name, n in sorted(layout_histogram(plan).items()):
             self.layout_sequences.labels(policy, name).inc(n)
         if cost is not None:
             self._set_rank_busy(policy, "predicted", np.asarray(cost.rank_busy_seconds))

@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from dyncp.cost_model.protocol import CostModelProtocol
-from dyncp.plan import Group, StepPlan, Topology, Wave
+from dyncp.plan import StepPlan, Topology, Wave
 
 __all__ = ["SplitEnvelope", "choose_splits", "layout_histogram"]
 
@@ -77,16 +77,6 @@ class SplitEnvelope:
         return self._min("bound_rank_seconds", cp, lengths)
 
 
-def _group_seconds(model: CostModelProtocol, plan: StepPlan, group: Group, heads: int) -> float:
-    lengths = np.asarray(plan.lengths, dtype=np.int64)
-    packs = [lengths[list(mb.seq_ids)] for mb in group.microbatches]
-    starts = np.cumsum([0] + [len(p) for p in packs[:-1]])
-    flat = np.concatenate(packs)
-    if heads == 1:
-        return float(model.packs_seconds(group.size, flat, starts).sum())
-    return float(model.packs_seconds(group.size, flat, starts, heads=heads).sum())
-
-
 def choose_splits(plan: StepPlan, model: CostModelProtocol) -> StepPlan:
     """``plan`` with every group on its fastest allowed head split (ties: the smaller u).
 
@@ -95,13 +85,22 @@ def choose_splits(plan: StepPlan, model: CostModelProtocol) -> StepPlan:
     topo = plan.topology
     if topo.head_sizes == (1,):
         return plan
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
     waves = []
     for wave in plan.waves:
         groups = []
         for g in wave.groups:
             splits = topo.splits(g.size)
             if len(splits) > 1:
-                seconds = [_group_seconds(model, plan, g, u) for u in splits]
+                packs = [lengths[list(mb.seq_ids)] for mb in g.microbatches]
+                flat = np.concatenate(packs)
+                starts = np.cumsum([0] + [len(p) for p in packs[:-1]])
+                seconds = [
+                    float(model.packs_seconds(g.size, flat, starts).sum())
+                    if u == 1
+                    else float(model.packs_seconds(g.size, flat, starts, heads=u).sum())
+                    for u in splits
+                ]
                 g = replace(g, heads=splits[int(np.argmin(seconds))])
             groups.append(g)
         waves.append(Wave(tuple(groups)))

@@ -130,7 +130,7 @@ class Planner:
         if not time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
         self.model = model
-        splits = tuple(head_sizes) != (1,) and tuple(head_sizes) != ()
+        splits = any(int(u) > 1 for u in head_sizes)
         shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
         if query_heads is None:
             query_heads = shape.num_heads if shape is not None else 0

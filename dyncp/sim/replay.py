@@ -14,6 +14,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import PlanCost, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
+from dyncp.planner.head_split import layout_histogram
 from dyncp.planner.planner import Planner
 
 __all__ = [
@@ -185,7 +186,7 @@ def replay(
             for _, group, mb in plan.microbatches():
                 run.cp_sequences[group.size] += len(mb.seq_ids)
                 run.cp_tokens[group.size] += int(batch[list(mb.seq_ids)].sum())
-                run.layouts[group.layout_name] += len(mb.seq_ids)
+            run.layouts.update(layout_histogram(plan))
         bounds.append(st["lower_bound_seconds"])
         if progress is not None:
             progress()
