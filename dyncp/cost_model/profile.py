@@ -155,7 +155,12 @@ def measure_all_to_all(
     is a contiguous block of c ranks, all blocks exchanging at once, with heads = c (no ring).
     The median over ``repeats`` of the slowest rank's time is kept.
     """
-    from dyncp.ring_attention.hybrid import heads_to_ring, make_hybrid_layout, ring_to_heads
+    from dyncp.ring_attention.hybrid import (
+        HybridLayout,
+        heads_to_ring,
+        make_hybrid_layout,
+        ring_to_heads,
+    )
 
     me = dist.get_rank()
     out: dict[int, list[tuple[int, float]]] = {}
@@ -177,11 +182,16 @@ def measure_all_to_all(
             k = torch.randn(local, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device)
             steps.append((layout, q, k, torch.randn_like(k)))
 
-        def exchange(layout, q, k, v) -> None:  # noqa: ANN001 - local helper
+        def exchange(
+            layout: HybridLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> None:
+            """Both exchanges forward, then both backward (q|k|v's gradients in one)."""
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             rq, rk, rv = heads_to_ring(q, k, v, layout)
-            back = ring_to_heads(rq + 0.0 * (rk.sum() + rv.sum()), layout)
-            back.sum().backward()
+            back = ring_to_heads(rq, layout)
+            torch.autograd.backward(
+                (back, rk, rv), (torch.ones_like(back), torch.zeros_like(rk), torch.zeros_like(rv))
+            )
 
         # Rounds over all sizes (not all repeats of one size in a row): a burst of contention
         # on a shared machine then slows one round of every size instead of one size's median.
