@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import load_bench
 
 from dyncp.cost_model.schema import load_profile
 from dyncp.ring_attention import MathKernel
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load("gpu_check")
+gpu_check = load_bench("gpu_check")
 
 
 @pytest.mark.timeout(120)

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
+from bench_modules import load_bench
 
 from dyncp.cost_model.model import CostModel
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-repro = _load("megatron_repro")
+repro = load_bench("megatron_repro")
 
 
 def test_mock_lengths_follow_megatrons_generator() -> None:
