@@ -4,8 +4,10 @@ One spawn of 4 processes runs the scenarios in turn, each on a fresh process gro
 is T seconds (so a hang costs seconds, not minutes). Properties asserted:
 
 - execute: whatever one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run
-  another plan, exit -- every other rank raises within 2 T, and the error names that rank (and
-  its exception where it raised one); the groups use the job's timeout (T) without being told.
+  another plan, stall 1.1 T inside a ring and resume, get SIGKILLed inside a ring -- every other
+  rank raises within 2 T, and the error names that rank alone, never a healthy one (and its
+  exception where it raised one); the groups use the job's timeout (T) without being told.
+  Forged, garbled and out-of-range failure reports written by a Store client are ignored.
 - sampler under DataLoader-like prefetch (4 micro-batches pulled ahead of training, ring and
   gradient collectives per step): with ``agree_ahead=0`` the per-step comparison waits for a
   rank whose training waits for this one, and every rank fails within 2 T; with
@@ -23,6 +25,7 @@ import datetime
 import functools
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -100,18 +103,37 @@ def _held(store: dist.Store, limit: float) -> None:
 # ---------------------------------------------------------------------------------- execute
 
 
+def _forge_board(pool: GroupPool) -> None:
+    """What any Store client can write at the board's predictable keys before a call: unsigned
+    reports blaming rank 1, garbage, a position beyond the axis, and report-counter bumps."""
+    for wave in (-1, 0, 1):
+        pool.store.set(f"c0/w{wave}/r1", f"raised 0 {time.time():.6f} {time.time():.6f} forged")
+        pool.store.set(f"c0/w{wave}/r2", b"\xff\x00 not a report")
+        pool.store.set(f"c0/w{wave}/r99", "raised 0 1.0 1.0 position 99")
+    pool.store.add("c0/n", 7)
+
+
 def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
     pool = GroupPool()  # no timeout given: the job's (T)
     plan = hand_plan(extra=1 if fault == "other-plan" and rank == culprit else 0)
+    if fault == "forged-board":
+        if rank == 0:
+            _forge_board(pool)
+        dist.barrier()
 
     def step_fn(ctx) -> None:
+        if rank == culprit and ctx.step_wave == 0:
+            if fault == "kill-mid-ring":
+                os.kill(os.getpid(), signal.SIGKILL)  # inside the ring of 4, before its collective
+            if fault == "stall":
+                time.sleep(STALL * T)  # then it resumes and finds its ring peers gone
         if rank == culprit and ctx.step_wave == 1:
             if fault == "raise":
                 raise ValueError("boom from rank's step_fn")
             if fault == "hang":
                 _held(store, 6 * T)
-            if fault == "exit":
-                os._exit(0)  # a clean exit code: the spawn context must not stop the others
+            if fault == "forged-board":
+                time.sleep(0.3)  # the others wait at the exchange, reading the forged board
         if ctx.cp > 1:
             dist.all_reduce(torch.ones(1), group=ctx.layout.group)
 
@@ -136,8 +158,19 @@ def _scenario_store(tmp: str, name: str) -> dist.Store:
     return dist.FileStore(f"{tmp}/{name}.side", WORLD)
 
 
-EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "exit"]  # "exit" last: rank 3 is gone
-CULPRIT = {"raise": 1, "hang": 1, "skip": 2, "other-plan": 3, "exit": 3}
+#: "kill-mid-ring" last: rank 2 is gone after it. "forged-board" has no culprit: every rank runs
+#: the step through the forged reports (its "culprit" is the slow rank the others wait for).
+EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "stall", "forged-board", "kill-mid-ring"]
+CULPRIT = {
+    "raise": 1,
+    "hang": 1,
+    "skip": 2,
+    "other-plan": 3,
+    "stall": 1,
+    "forged-board": 3,
+    "kill-mid-ring": 2,
+}
+STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 
 
 # ---------------------------------------------------------------------------------- sampler
@@ -345,12 +378,11 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         _chaos, args=(str(tmp), master.port), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=0.5):
+    try:  # not ctx.join(): it would terminate the others when rank 2 is killed, by design
+        while any(p.is_alive() for p in ctx.processes):
             if time.monotonic() > deadline:
                 pytest.fail("the chaos ranks did not finish in 120 s")
-    except mp.ProcessExitedException:
-        pass  # rank 3 exits in the last scenario, by design
+            time.sleep(0.2)
     finally:
         stop.set()
         for p in ctx.processes:
@@ -393,28 +425,36 @@ def test_tampering_after_rank0_read_raises_in_that_step(chaos: list[dict], actio
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", EXECUTE_FAULTS)
+@pytest.mark.parametrize("fault", [f for f in EXECUTE_FAULTS if f != "forged-board"])
 def test_every_rank_raises_in_bounded_time_naming_the_culprit(
     chaos: list[dict], fault: str
 ) -> None:
     culprit = CULPRIT[fault]
     for rank, r in enumerate(chaos):
-        if rank == culprit:
+        if rank == culprit and fault not in ("raise", "stall"):
             continue
         got = r[fault]
         assert got["timeout"] == T  # the job's timeout, not torch's 30 minutes
         expected = "PlanMismatchError" if fault == "other-plan" else "StepFailed"
         assert got["kind"] == expected, got
-        assert got["ranks"] == [culprit], got
+        assert got["ranks"] == [culprit], got  # the culprit alone: never a healthy rank
         assert got["seconds"] <= 2 * T + SLACK, got
         if fault == "raise":
             assert f"rank {culprit} failed in wave 1: ValueError: boom" in got["message"]
         elif fault == "other-plan":
             assert " vs " in got["message"]
-        else:
+        elif fault == "stall":  # it resumed and reported, but after the others' timeout fired
+            assert f"rank(s) [{culprit}] arrived after the others had timed out" in got["message"]
+        else:  # hang, skip, and a SIGKILL inside a ring, whose ring peers see it at once
             assert f"rank(s) [{culprit}] stopped responding" in got["message"], got
-    if fault == "raise":
-        assert chaos[culprit][fault]["kind"] == "StepFailed"
+
+
+@pytest.mark.timeout(180)
+def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
+    """Unsigned reports blaming a rank, garbage and a position beyond the axis, written at the
+    board's keys before the call, with the report counter bumped: every rank runs the step."""
+    runs = [r["forged-board"] for r in chaos]
+    assert all(r["kind"] == "ok" for r in runs), runs
 
 
 @pytest.mark.timeout(180)

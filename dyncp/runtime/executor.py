@@ -25,12 +25,14 @@ Safety, in the order it happens:
 2. The plan is validated, and every group it needs checked against the pool, before any ring
    collective, so a wrong plan makes every rank raise the same PlanError instead of hanging.
 3. Between waves the ranks exchange their status (the synchronisation point where group
-   membership changes). A rank whose ``step_fn`` raises leaves its error in the Store and raises
-   at once; the others see it while they wait at the exchange, or after their ring collectives
-   with it time out (the pool's timeout T), and raise :class:`StepFailed` naming it. A rank that
-   hangs, exits or skips ``execute`` is named as the one that stopped responding. Every rank
-   raises within 2 T of the failure. After a StepFailed the pool's groups may hold broken
-   connections: tear the job down (or re-create the process groups) before the next step.
+   membership changes). A rank whose ``step_fn`` raises leaves a signed report on the pool's
+   failure board (``dyncp.runtime.failures``) and raises at once; the others see it while they
+   wait at the exchange, or after their ring collectives with it fail (the pool's timeout T),
+   and raise :class:`StepFailed` naming it. A rank that hangs, exits or skips ``execute`` is
+   named as the one that stopped responding; one that stalls past the others' timeout and then
+   resumes is named as late. Every rank raises within 2 T of the failure. After a StepFailed
+   the pool's groups may hold broken connections: tear the job down (or re-create the process
+   groups) before the next step.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ from dyncp.ring_attention import (
     zigzag_positions,
     zigzag_shard,
 )
-from dyncp.runtime.failures import FailureBoard, is_communication_error
+from dyncp.runtime.failures import (
+    SURVIVOR_WAIT,
+    FailureBoard,
+    is_communication_error,
+    name_after_failed_wait,
+)
 from dyncp.runtime.group_pool import GroupPool
 
 __all__ = [
@@ -224,15 +231,15 @@ def execute(
     call_start = time.perf_counter()
     call = pool.calls
     pool.calls += 1
-    board = FailureBoard(pool.store, call=call, world=pool.world, names=pool.ranks)
+    board = pool.board(f"c{call}")
     label = f"execute call {call}"
-    entry = time.monotonic()
+    entry, entry_wall = time.monotonic(), time.time()
     try:
         agree(pool.control_group, where=(call,), digest=plan_digest(plan), label=label)
     except PlanAgreementError as exc:
-        board.report_ok(-1, me)
-        until = max(entry + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
-        culprit = board.culprit(-1, suspects=None, until=until, label=label)
+        culprit = name_after_failed_wait(
+            board, -1, me, exc, entered=entry, entered_wall=entry_wall, label=label
+        )
         raise StepFailed(culprit.message, culprit.ranks) from exc
     _check(plan, pool)
     labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
@@ -268,13 +275,13 @@ def execute(
                     loss_scale=scale,
                     heads=group.heads,
                 )
-                t0 = time.perf_counter()
+                t0, started = time.perf_counter(), time.monotonic()
                 try:
                     step_fn(ctx)
                     if synchronize is not None:
                         synchronize()
                 except Exception as exc:
-                    _fail(board, pool, w, group.start, group.size, exc, time.perf_counter() - t0)
+                    _fail(board, pool, w, group.start, group.size, exc, started, label)
                 seconds = time.perf_counter() - t0
                 report.timings.append(
                     MicroBatchTiming(
@@ -283,7 +290,7 @@ def execute(
                 )
                 report.busy_seconds += seconds
         t0 = time.perf_counter()
-        _exchange(board, pool, w)
+        _exchange(board, pool, w, label)
         report.idle_seconds += time.perf_counter() - t0
         report.wave_seconds.append(time.perf_counter() - wave_start)
     report.step_seconds = time.perf_counter() - step_start
@@ -297,16 +304,17 @@ def _fail(
     start: int,
     size: int,
     exc: Exception,
-    waited: float,
+    started: float,
+    label: str,
 ) -> None:
-    """``step_fn`` raised here: leave the error for the others and raise StepFailed now."""
+    """``step_fn`` raised here (it began at ``started``, monotonic): leave the error for the
+    others and raise StepFailed now."""
     me = pool.position
     assert me is not None
-    board.report_error(wave, me, exc, waited)
-    label = f"execute call {board.call}"
-    if is_communication_error(exc):  # a ring peer failed first: name it if it said so
+    board.report_error(wave, me, exc)
+    if is_communication_error(exc):  # a ring peer failed: wait for the ring's reports, name it
         ring = tuple(range(start, start + size))
-        until = time.monotonic() + pool.timeout / 4  # the ring's members time out together
+        until = max(started + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
         culprit = board.culprit(wave, suspects=ring, until=until, label=label)
         raise StepFailed(culprit.message, culprit.ranks) from exc
     raise StepFailed(
@@ -315,18 +323,18 @@ def _fail(
     ) from exc
 
 
-def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
+def _exchange(board: FailureBoard, pool: GroupPool, wave: int, label: str) -> None:
     """The wave's synchronisation point: every rank got here, or StepFailed names who did not.
 
-    One all_gather on the control group; while it is pending the Store is looked at now and
-    then, so a rank that already reported an error releases the others at once.
+    One all_gather on the control group; while it is pending the board's report counter is read
+    now and then, so a rank that already reported a failure releases the others at once (a
+    counter bumped by a forger only makes this rank look at reports that do not verify).
     """
     me = pool.position
     assert me is not None
-    label = f"execute call {board.call}"
     flag = torch.zeros(1, dtype=torch.int64)
     out = [torch.empty_like(flag) for _ in range(pool.world)]
-    start = time.monotonic()
+    start, start_wall = time.monotonic(), time.time()
     try:
         work = dist.all_gather(out, flag, group=pool.control_group, async_op=True)
         pause, next_look = 2e-5, start + STORE_LOOK_SECONDS
@@ -334,9 +342,9 @@ def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + STORE_LOOK_SECONDS
-                if board.first() is not None:
-                    board.report_ok(wave, me)
-                    until = now + pool.timeout / 4
+                if board.changed() and board.reports(wave):
+                    board.report_ok(wave, me, arrived=start_wall, timed_out=False)
+                    until = max(start + SURVIVOR_WAIT * pool.timeout, now + pool.timeout / 4)
                     culprit = board.culprit(wave, suspects=None, until=until, label=label)
                     raise StepFailed(culprit.message, culprit.ranks)
             time.sleep(pause)
@@ -345,15 +353,11 @@ def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
     except RuntimeError as exc:
         if isinstance(exc, StepFailed):
             raise
-        board.report_ok(wave, me)
-        until = max(start + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
-        culprit = board.culprit(wave, suspects=None, until=until, label=label)
+        culprit = name_after_failed_wait(
+            board, wave, me, exc, entered=start, entered_wall=start_wall, label=label
+        )
         raise StepFailed(culprit.message, culprit.ranks) from exc
 
 
-#: After a collective on the control group failed, survivors are waited for until this many
-#: timeouts after this rank entered it: a survivor blocked in the same collective is released
-#: by the timeout (1) and then reports; the rest is margin for a loaded machine. Below 2: the bound.
-SURVIVOR_WAIT = 1.5
-#: How often a rank waiting at a wave's exchange looks in the Store for a reported failure.
+#: How often a rank waiting at a wave's exchange reads the failure board's report counter.
 STORE_LOOK_SECONDS = 0.05

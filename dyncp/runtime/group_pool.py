@@ -24,8 +24,9 @@ communicator initialisation.
 Failures are bounded by one timeout: every group the pool creates (rings, and a CPU ``gloo``
 control group over the axis for plan agreement and status exchange) uses ``timeout`` seconds,
 by default the job's own (the default process group's), never torch's 30-minute default. The
-pool also holds a namespace in the job's Store where a failing rank leaves its error, so that
-every rank can name it even when collectives with it time out or break.
+pool also holds a namespace in the job's Store where a failing rank leaves its signed error
+report (:meth:`GroupPool.board`), so that every rank can name it even when collectives with it
+time out or break.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from dyncp.runtime.failures import FailureBoard, shared_secret
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -139,7 +142,11 @@ class GroupPool:
         self.axis_group = self._new_group(list(self.ranks), kwargs) if self.world < job else None
         self.control_group = dist.new_group(ranks=list(self.ranks), backend="gloo", **kwargs)
         base = dist.distributed_c10d._get_default_store() if store is None else store
+        # Keep the given Store itself alive: the PrefixStore holds it only on the C++ side, so a
+        # Python subclass would be collected and its overrides then fail ("pure virtual").
+        self._base_store = base
         self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
+        self._board_secret = shared_secret(self.control_group)
         self.calls = 0
         self.created = 0
         for size in self.group_sizes:
@@ -241,6 +248,18 @@ class GroupPool:
         head = self._groups[key] if heads in self.group_sizes else self._head_blocks[key]
         ring = None if heads == size else self._rings[(start, size, heads)]
         return head, ring
+
+    def board(self, scope: str) -> FailureBoard:
+        """The failure board of one call (``scope``: the same key prefix on every rank), its
+        reports sealed with the pool's secret (drawn at start-up, never in the Store)."""
+        return FailureBoard(
+            self.store,
+            scope=scope,
+            world=self.world,
+            names=self.ranks,
+            secret=self._board_secret,
+            timeout=self.timeout,
+        )
 
     def barrier(self) -> None:
         """Synchronise the whole DP x CP axis (where group membership changes)."""

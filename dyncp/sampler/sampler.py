@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.agreement import PendingAgreement
+from dyncp.agreement import AgreementGroup, PendingAgreement
 from dyncp.calibration import OnlineCalibrator
 from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
@@ -56,6 +56,21 @@ class _Resume:
     plan: StepPlan | None
 
 
+def _agreement(
+    group: ProcessGroup | bool | None, store: Store | None, world_size: int
+) -> AgreementGroup | None:
+    """The sampler's plan agreement (see ``group`` in :class:`DynamicCPSampler`)."""
+    if group is False:
+        return None
+    if group is True or group is None:
+        import torch.distributed as dist
+
+        if world_size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None  # one process: nothing to compare with
+        return AgreementGroup(store=store)
+    return AgreementGroup(group, store=store)
+
+
 class DynamicCPSampler:
     """Yields this rank's micro-batches of dyncp step plans; a DataLoader ``batch_sampler``.
 
@@ -76,10 +91,16 @@ class DynamicCPSampler:
         deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
         secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
             the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
-        group: a CPU (gloo) process group over all ranks, e.g. ``dist.new_group(backend="gloo")``,
-            used only for this: before the first micro-batch of each step is yielded, every rank
-            compares the step's plan digest with the others' (an all_gather of 24 bytes) and,
-            if any differs, every rank raises ``PlanMismatchError`` in that step.
+        group: the plan agreement. Before the first micro-batch of each step is yielded, every
+            rank compares the step's plan digest with the others' (an all_gather of 24 bytes)
+            and, if any differs, every rank raises ``PlanMismatchError`` in that step; a rank
+            that does not arrive within the timeout makes the others raise
+            ``PlanAgreementError`` naming it. None (default): on whenever torch.distributed is
+            initialised with more than one process -- the sampler creates its own gloo group
+            over the whole job with the job's timeout (a collective: construct the sampler on
+            every rank of the job, in the same order as other groups). A gloo ProcessGroup:
+            compare on that group (it should use the job's timeout, not torch's 30 minutes).
+            False: no agreement (ranks holding different plans then go undetected).
         agree_ahead: steps ahead of the one being yielded whose plans are fetched and compared
             early (default 0: at the step boundary). The comparison of step N waits until every
             rank's sampler has reached step N - agree_ahead; a DataLoader that prefetches P
@@ -118,7 +139,7 @@ class DynamicCPSampler:
         deadline: float = 1.0,
         late_deadline: float = 0.05,
         secret: bytes | str | None = None,
-        group: ProcessGroup | None = None,
+        group: ProcessGroup | bool | None = None,
         agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
         calibrate: bool | OnlineCalibrator = False,
@@ -208,7 +229,9 @@ class DynamicCPSampler:
                     calibration=self.calibration,
                 )
             self._source = StorePlans(client, service)
-        self.group, self.agree_ahead = group, agree_ahead
+        self.agreement = _agreement(group, store, world_size)
+        self.group = None if self.agreement is None else self.agreement.group
+        self.agree_ahead = agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
         self._position = (0, 0, 0)  # (epoch, step, offset) after the last micro-batch yielded
@@ -291,9 +314,9 @@ class DynamicCPSampler:
         wait = time.perf_counter() - start
         digest = plan_digest(fetched.plan)
         pending = None
-        if self.group is not None:
+        if self.agreement is not None:
             label = f"epoch {epoch} step {step}"
-            pending = PendingAgreement(self.group, where=(epoch, step), digest=digest, label=label)
+            pending = self.agreement.start(where=(epoch, step), digest=digest, label=label)
         return _Prepared(fetched, wait, digest, pending)
 
     def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
