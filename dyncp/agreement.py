@@ -14,6 +14,8 @@ sampler uses) that error names the ranks that did not arrive, through a signed f
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -163,6 +165,17 @@ class AgreementGroup:
         self._base_store = base  # kept alive (see GroupPool)
         self.store = dist.PrefixStore(f"dyncp/agree/{group.group_name}/", base)
         self._secret = shared_secret(group)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of the group (a collective)."""
+        value = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def derive(self, label: str) -> str:
+        """An id the group's ranks share and nobody else knows or can predict (32 hex digits),
+        new for each group (each run), from the group's secret."""
+        return hmac.new(self._secret, label.encode(), hashlib.sha256).hexdigest()[:32]
 
     def start(self, *, where: Sequence[int], digest: int, label: str) -> PendingAgreement:
         """Start one comparison (every rank must start its comparisons in the same order)."""

@@ -178,8 +178,7 @@ STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 
 def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -> dict:
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
-    group = dist.new_group(backend="gloo")
-    sampler = DynamicCPSampler(
+    sampler = DynamicCPSampler(  # the plan agreement is on by default, on its own group
         make_lengths(),
         world_size=WORLD,
         rank=rank,
@@ -191,7 +190,6 @@ def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -
         deadline=0.5,
         late_deadline=0.05,
         secret=kwargs.pop("secret", None),
-        group=group,
         **kwargs,
     )
     if wrap_fetch is not None and rank == 0:
@@ -276,7 +274,6 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
         capacity=256,
         planner=planner,
         global_batch_tokens=2 * WORLD * 256,
-        group=dist.new_group(backend="gloo"),
         agree_ahead=agree_ahead,
     )
     it, queue, samples = iter(sampler), deque(), []
@@ -306,6 +303,37 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
         out.update(kind=type(exc).__name__, message=str(exc).splitlines()[0])
     out.update(seconds=time.monotonic() - start, samples=[int(i) for i in samples])
     out["num_samples"] = len(lengths)
+    return out
+
+
+ABSENT = 2  # the rank whose training loop never asks its sampler for a micro-batch
+
+
+def _sampler_absent(rank: int, store: dist.Store) -> dict:
+    """Every rank builds its sampler (agreement on by default); rank ABSENT never iterates it:
+    the others' agreement on step 0 times out and names it."""
+    sampler = DynamicCPSampler(
+        make_lengths(),
+        world_size=WORLD,
+        rank=rank,
+        capacity=CAPACITY,
+        planner=make_planner(deterministic=True),
+        global_batch_tokens=2 * WORLD * CAPACITY,
+    )
+    out: dict = {"kind": "ok", "agreement": sampler.agreement is not None}
+    start = time.monotonic()
+    try:
+        if rank == ABSENT:
+            _held(store, 6 * T)
+        else:
+            for _ in sampler:
+                pass
+    except PlanAgreementError as exc:
+        out.update(kind=type(exc).__name__, message=str(exc), ranks=list(exc.ranks))
+    out["seconds"] = time.monotonic() - start
+    if rank != ABSENT:
+        _release(store)
+    sampler.close()
     return out
 
 
@@ -339,6 +367,7 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("delete", _tamper_after_rank0, rank, port, "delete")
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
+    scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
     for fault in EXECUTE_FAULTS:
         store = _scenario_store(tmp, fault)
         scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
@@ -467,3 +496,16 @@ def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> Non
     assert all(r["kind"] != "ok" for r in at_boundary), at_boundary  # the wait is real...
     assert all(r["seconds"] <= 2 * T + SLACK for r in at_boundary), at_boundary  # ...and bounded
     assert any(r["kind"] == "PlanAgreementError" for r in at_boundary), at_boundary
+
+
+@pytest.mark.timeout(180)
+def test_sampler_agreement_is_on_by_default_and_names_an_absent_rank(chaos: list[dict]) -> None:
+    runs = [r["sampler-absent"] for r in chaos]
+    assert all(r["agreement"] for r in runs), runs
+    for rank, r in enumerate(runs):
+        if rank == ABSENT:
+            continue
+        assert r["kind"] == "PlanAgreementError", r
+        assert r["ranks"] == [ABSENT], r
+        assert f"rank(s) [{ABSENT}] stopped responding" in r["message"], r
+        assert r["seconds"] <= 2 * T + SLACK, r

@@ -8,6 +8,7 @@ with every other rank's (``dyncp.agreement``), and yields this rank's micro-batc
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ from dyncp.agreement import AgreementGroup, PendingAgreement
 from dyncp.calibration import OnlineCalibrator
 from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
-from dyncp.plan_auth import PlanSigner
+from dyncp.plan_auth import RUN_ENV, PlanSigner
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
@@ -71,6 +72,17 @@ def _agreement(
     return AgreementGroup(group, store=store)
 
 
+def _run_id(given: str | None, agreement: AgreementGroup | None, serves: bool) -> str:
+    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`)."""
+    if given is not None:
+        return given
+    if os.environ.get(RUN_ENV):
+        return os.environ[RUN_ENV]
+    if agreement is not None and agreement.any(serves):
+        return agreement.derive("plan-service run")
+    return ""
+
+
 class DynamicCPSampler:
     """Yields this rank's micro-batches of dyncp step plans; a DataLoader ``batch_sampler``.
 
@@ -107,6 +119,11 @@ class DynamicCPSampler:
             micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
+        run_id: the run the plan records are bound to (a record of an earlier run of the same
+            job does not verify; see ``dyncp.plan_auth``). Default: ``$DYNCP_RUN_ID``; else,
+            when a rank of the job serves in-process (the default), an id drawn for this run and
+            shared over the agreement group; else none. A standalone ``python -m dyncp.serve``
+            must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
         calibrate: online calibration of the cost model (needs ``store``): readers' fallbacks
             use the newest model version published in the Store; the rank that serves refits
@@ -143,6 +160,7 @@ class DynamicCPSampler:
         agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
         calibrate: bool | OnlineCalibrator = False,
+        run_id: str | None = None,
     ) -> None:
         topo = planner.topology
         if calibrate is not False and store is None:
@@ -190,11 +208,18 @@ class DynamicCPSampler:
                 "truncated" if overlong == "truncate" else "skipped",
             )
         self.calibration: ServiceCalibration | None = None
+        self.run_id = ""
+        self.agreement = _agreement(group, store, world_size)
+        self.group = None if self.agreement is None else self.agreement.group
         self._source: LocalPlans | StorePlans
         if store is None:
             self._source = LocalPlans(self.schedule, planner, lookahead)
         else:
-            signer = PlanSigner.from_env(secret) if calibrate is not False else None
+            serves = rank == 0 if serve is None else bool(serve)
+            self.run_id = _run_id(run_id, self.agreement, serves)
+            signer = None
+            if calibrate is not False:
+                signer = PlanSigner.from_env(secret, run=self.run_id)
             client = PlanClient(
                 store,
                 source=self.schedule,
@@ -205,9 +230,10 @@ class DynamicCPSampler:
                 late_deadline=late_deadline,
                 secret=secret,
                 models=None if calibrate is False else ModelChannel(store, prefix, signer=signer),
+                run_id=self.run_id,
             )
             service = None
-            if rank == 0 if serve is None else serve:
+            if serves:
                 if calibrate is not False:
                     calibrator = (
                         calibrate
@@ -227,10 +253,9 @@ class DynamicCPSampler:
                     lookahead=lookahead,
                     secret=secret,
                     calibration=self.calibration,
+                    run_id=self.run_id,
                 )
             self._source = StorePlans(client, service)
-        self.agreement = _agreement(group, store, world_size)
-        self.group = None if self.agreement is None else self.agreement.group
         self.agree_ahead = agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
