@@ -2,13 +2,16 @@
 
 The sampler (before the first micro-batch of a step is yielded) and ``runtime.execute`` (before
 the first collective of a step) call :func:`agree` with where they are (e.g. epoch and step) and
-the digest of the plan they are about to run. One synchronous all_gather of a few int64 on a CPU
-(gloo) group compares them; if any rank is elsewhere or holds another plan, every rank raises the
-same :class:`PlanMismatchError` (one message, the same everywhere), in that step, naming the
-ranks and the digests. A rank that never arrives makes the others raise
-:class:`PlanAgreementError` after the group's timeout; with an :class:`AgreementGroup` (what the
-sampler uses) that error names the ranks that did not arrive, through a signed failure board
-(``dyncp.runtime.failures``) written only on that path.
+the digest of the plan they are about to run. The comparison is one all_reduce(MAX) of each
+value and its bitwise complement (``~x`` reverses the order of int64, so the MAX of ``~x`` is
+``~min(x)``): all ranks agree exactly when every maximum equals its minimum. An all_reduce's
+latency grows with the logarithm of the group size on NCCL (tree algorithms for small messages)
+where an all_gather's bytes grow with it; on the rare path where ranks differ, a second round
+(an all_gather of the values) names them: every rank raises the same :class:`PlanMismatchError`
+(one message, the same everywhere), in that step, naming the ranks and the digests. A rank that
+never arrives makes the others raise :class:`PlanAgreementError` after the group's timeout; with
+an :class:`AgreementGroup` (what the sampler uses) that error names the ranks that did not
+arrive, through a signed failure board (``dyncp.runtime.failures``) written only on that path.
 """
 
 from __future__ import annotations
@@ -70,10 +73,16 @@ def format_digest(digest: int) -> str:
 
 
 class PendingAgreement:
-    """One comparison in flight: the all_gather is started now and checked by :meth:`result`.
+    """One comparison in flight: the all_reduce is started now and checked by :meth:`result`.
 
     Ranks must start their comparisons in the same order on the group (each one is a
     collective); several may be in flight at once.
+
+    Args:
+        group: the ranks that must agree.
+        where, digest, label: see :func:`agree`.
+        board: names the ranks that did not arrive when the comparison fails (optional).
+        device: where the comparison's tensors live ("cuda" for an NCCL group).
     """
 
     def __init__(
@@ -84,14 +93,18 @@ class PendingAgreement:
         digest: int,
         label: str,
         board: FailureBoard | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.group, self.label, self.board = group, label, board
         self.ranks = list(dist.get_process_group_ranks(group))
         self._entered, self._entered_wall = time.monotonic(), time.time()
-        mine = torch.tensor([*where, digest], dtype=torch.int64)
-        self._out = [torch.empty_like(mine) for _ in self.ranks]
+        self._mine = (*(int(v) for v in where), int(digest))
+        values = torch.tensor(self._mine, dtype=torch.int64)
+        self._both = torch.cat([values, torch.bitwise_not(values)]).to(device)
         try:
-            self._work = dist.all_gather(self._out, mine, group=group, async_op=True)
+            self._work = dist.all_reduce(
+                self._both, op=dist.ReduceOp.MAX, group=group, async_op=True
+            )
         except RuntimeError as exc:
             raise self._failed(exc) from exc
 
@@ -125,9 +138,17 @@ class PendingAgreement:
         """
         try:
             self._work.wait()
+            both = [int(v) for v in self._both.cpu().tolist()]
+            n = len(self._mine)
+            if both[:n] == [~v for v in both[n:]]:  # every maximum is its minimum: all agree
+                return
+            # The rare path: a second round to name the ranks that differ.
+            mine = torch.tensor(self._mine, dtype=torch.int64, device=self._both.device)
+            rows = [torch.empty_like(mine) for _ in self.ranks]
+            dist.all_gather(rows, mine, group=self.group)
         except RuntimeError as exc:
             raise self._failed(exc) from exc
-        _compare(self.ranks, [tuple(int(v) for v in t.tolist()) for t in self._out], self.label)
+        _compare(self.ranks, [tuple(int(v) for v in t.cpu().tolist()) for t in rows], self.label)
 
 
 class AgreementGroup:

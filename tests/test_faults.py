@@ -3,11 +3,14 @@
 One spawn of 4 processes runs the scenarios in turn, each on a fresh process group whose timeout
 is T seconds (so a hang costs seconds, not minutes). Properties asserted:
 
-- execute: whatever one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run
-  another plan, stall 1.1 T inside a ring and resume, get SIGKILLed inside a ring -- every other
-  rank raises within 2 T, and the error names that rank alone, never a healthy one (and its
-  exception where it raised one); the groups use the job's timeout (T) without being told.
-  Forged, garbled and out-of-range failure reports written by a Store client are ignored.
+- execute (dataflow: no barrier between waves) and the gradient reduction after it: whatever
+  one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run another plan, stall
+  1.1 T inside a ring and resume, get SIGKILLed inside a ring -- every other rank raises within
+  2 T, in ``execute`` if one of its groups holds that rank, else at the reduction (``pool=``),
+  and the error names that rank alone, never a healthy one (and its exception where it raised
+  one); the groups use the job's timeout (T) without being told. In "raise" and "hang" two
+  ranks are in a later wave's ring when the failure happens. Forged, garbled and out-of-range
+  failure reports written by a Store client are ignored.
 - sampler under DataLoader-like prefetch (4 micro-batches pulled ahead of training, ring and
   gradient collectives per step): with ``agree_ahead=0`` the per-step comparison waits for a
   rank whose training waits for this one, and every rank fails within 2 T; with
@@ -43,7 +46,7 @@ from dyncp.cost_model import CostModel
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.plan_auth import PlanSigner
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, StepFailed, execute
+from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import plan_batch, step_key
 
@@ -78,13 +81,14 @@ def make_schedule() -> BatchSchedule:
 
 
 def hand_plan(extra: int = 0) -> StepPlan:
-    """A ring of 4, then a ring of 2 beside two single ranks."""
+    """A ring of 4, then a ring of 2 beside two single ranks, then two rings of 2."""
     mb = MicroBatch
     waves = (
         Wave((Group(0, 4, (mb((1,)),)),)),
         Wave((Group(0, 2, (mb((3,)),)), Group(2, 1, (mb((0,)),)), Group(3, 1, (mb((2,)),)))),
+        Wave((Group(0, 2, (mb((4,)),)), Group(2, 2, (mb((5,)),)))),
     )
-    return StepPlan(Topology(WORLD, 2, 256), (37, 150, 9, 64 + extra), waves)
+    return StepPlan(Topology(WORLD, 2, 256), (37, 150, 9, 64 + extra, 20, 30), waves)
 
 
 def _release(store: dist.Store) -> None:
@@ -106,7 +110,7 @@ def _held(store: dist.Store, limit: float) -> None:
 def _forge_board(pool: GroupPool) -> None:
     """What any Store client can write at the board's predictable keys before a call: unsigned
     reports blaming rank 1, garbage, a position beyond the axis, and report-counter bumps."""
-    for wave in (-1, 0, 1):
+    for wave in (-1, 0, 1, 2, 3):  # 3: the gradient reduction's slot
         pool.store.set(f"c0/w{wave}/r1", f"raised 0 {time.time():.6f} {time.time():.6f} forged")
         pool.store.set(f"c0/w{wave}/r2", b"\xff\x00 not a report")
         pool.store.set(f"c0/w{wave}/r99", "raised 0 1.0 1.0 position 99")
@@ -133,7 +137,7 @@ def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
             if fault == "hang":
                 _held(store, 6 * T)
             if fault == "forged-board":
-                time.sleep(0.3)  # the others wait at the exchange, reading the forged board
+                raise ValueError("boom beside forged reports blaming rank 1")
         if ctx.cp > 1:
             dist.all_reduce(torch.ones(1), group=ctx.layout.group)
 
@@ -145,6 +149,9 @@ def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
             outcome.update(kind="skipped")
         else:
             execute(plan, pool, step_fn)
+            # Dataflow: no barrier between waves; ranks whose groups never touched the failed
+            # rank meet it here, at the step's reduction, which names it.
+            reduce_loss([torch.zeros(())], pool=pool)
             outcome.update(kind="ok")
     except (StepFailed, PlanMismatchError) as exc:
         outcome.update(kind=type(exc).__name__, message=str(exc), ranks=list(exc.ranks))
@@ -158,8 +165,8 @@ def _scenario_store(tmp: str, name: str) -> dist.Store:
     return dist.FileStore(f"{tmp}/{name}.side", WORLD)
 
 
-#: "kill-mid-ring" last: rank 2 is gone after it. "forged-board" has no culprit: every rank runs
-#: the step through the forged reports (its "culprit" is the slow rank the others wait for).
+#: "kill-mid-ring" last: rank 2 is gone after it. "forged-board": rank 3 raises while forged
+#: reports blame rank 1.
 EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "stall", "forged-board", "kill-mid-ring"]
 CULPRIT = {
     "raise": 1,
@@ -480,10 +487,13 @@ def test_every_rank_raises_in_bounded_time_naming_the_culprit(
 
 @pytest.mark.timeout(180)
 def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
-    """Unsigned reports blaming a rank, garbage and a position beyond the axis, written at the
-    board's keys before the call, with the report counter bumped: every rank runs the step."""
-    runs = [r["forged-board"] for r in chaos]
-    assert all(r["kind"] == "ok" for r in runs), runs
+    """Unsigned reports blaming rank 1, garbage and a position beyond the axis, written at the
+    board's keys before the call, with the report counter bumped; then rank 3 raises in wave 1.
+    Every rank names rank 3: its ring peer in wave 2, and ranks 0 and 1 at the reduction."""
+    for r in (r["forged-board"] for r in chaos):
+        assert r["kind"] == "StepFailed" and r["ranks"] == [3], r
+        assert "rank 3 failed in wave 1: ValueError: boom beside forged" in r["message"], r
+        assert r["seconds"] <= 2 * T + SLACK, r
 
 
 @pytest.mark.timeout(180)

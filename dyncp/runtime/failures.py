@@ -37,13 +37,15 @@ n-th ``execute`` call, ``w`` the wave, ``-1`` the plan agreement before the firs
     <scope>/n               how many reports were written (a hint for the waiters: one read)
     <scope>/w<w>/r<p>       rank p's signed report:
                             "<kind> <timed_out> <arrived> <failed> <message>";
-                            kind: raised | comm | ok (reached the synchronisation point)
+                            kind: raised | comm | ok (reached the synchronisation point);
+                            w = number of waves: the gradient reduction after the call
 
 Nothing is written while steps succeed; these keys exist only for failed steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -137,6 +139,7 @@ class Report:
     arrived: float  # when it reached the point where it waited (see the module docstring)
     failed: float  # when it learned of the failure
     message: str
+    wave: int = 0  # the slot it was read from (not encoded: the key says it)
 
     def encode(self) -> bytes:
         text = self.message.replace("\n", " ")[:MAX_MESSAGE]
@@ -237,21 +240,36 @@ class FailureBoard:
         self._seen = count
         return True
 
-    def reports(self, wave: int) -> dict[int, Report]:
-        """The verified reports of ``wave``, by position (forged or garbled ones are counted)."""
-        keys = [self._key(wave, p) for p in range(self.world)]
+    def reports(self, wave: int, earlier: Sequence[int] = ()) -> dict[int, Report]:
+        """The verified reports of ``wave`` and the ``earlier`` slots, by position: each
+        position's most telling one (raised, then comm, then ok; the earliest of a kind).
+        Forged or garbled records are counted and left out."""
+        rank = {"raised": 0, "comm": 1, "ok": 2}
         out: dict[int, Report] = {}
-        for p, key in enumerate(keys):
-            if not self.store.check([key]):
-                continue
-            try:
-                out[p] = Report.decode(self._signer.open(key, self.store.get(key)))
-            except (PlanError, ValueError, UnicodeDecodeError):
-                self.forged += 1
+        for slot in (*earlier, wave):
+            for p in range(self.world):
+                key = self._key(slot, p)
+                if not self.store.check([key]):
+                    continue
+                try:
+                    found = Report.decode(self._signer.open(key, self.store.get(key)))
+                except (PlanError, ValueError, UnicodeDecodeError):
+                    self.forged += 1
+                    continue
+                found = dataclasses.replace(found, wave=slot)
+                old = out.get(p)
+                if old is None or (rank[found.kind], found.failed) < (rank[old.kind], old.failed):
+                    out[p] = found
         return out
 
     def culprit(
-        self, wave: int, *, suspects: Sequence[int] | None, until: float, label: str
+        self,
+        wave: int,
+        *,
+        suspects: Sequence[int] | None,
+        until: float,
+        label: str,
+        earlier: Sequence[int] = (),
     ) -> Culprit:
         """Wait until ``until`` (``time.monotonic()``) for the survivors to report, then name
         who failed (see the module docstring for the order of the rules).
@@ -262,15 +280,17 @@ class FailureBoard:
                 for every position.
             until: when to stop waiting for the survivors.
             label: where, in words, for the message.
+            earlier: slots (waves) whose reports count too: a rank that failed in an earlier
+                wave never reaches this one.
         """
         group = range(self.world) if suspects is None else suspects
         try:
             while True:
-                reports = self.reports(wave)
+                reports = self.reports(wave, earlier)
                 raised = [p for p, r in reports.items() if r.kind == "raised"]
                 if raised:
                     first = min(raised, key=lambda p: (reports[p].failed, p))
-                    return self._named(first, reports[first], wave, label)
+                    return self._named(first, reports[first], label)
                 silent = [p for p in group if p not in reports]
                 if not silent or time.monotonic() >= until:
                     break
@@ -318,9 +338,9 @@ class FailureBoard:
         margin = LATE_MARGIN * self.timeout
         return sorted(p for p, r in reports.items() if r.arrived > first + margin), first
 
-    def _named(self, position: int, report: Report, wave: int, label: str) -> Culprit:
+    def _named(self, position: int, report: Report, label: str) -> Culprit:
         rank = self.names[position]
-        where = "the plan agreement" if wave < 0 else f"wave {wave}"
+        where = "the plan agreement" if report.wave < 0 else f"wave {report.wave}"
         return Culprit((rank,), f"{label}: rank {rank} failed in {where}: {report.message}")
 
 
@@ -333,10 +353,11 @@ def name_after_failed_wait(
     entered: float,
     entered_wall: float,
     label: str,
+    earlier: Sequence[int] = (),
 ) -> Culprit:
     """A synchronisation this rank reached in time (at ``entered``, monotonic, and
     ``entered_wall``, wall clock) failed with ``exc``: report that, wait for the survivors and
-    name who failed."""
+    name who failed (``earlier``: slots whose reports count too)."""
     board.report_ok(wave, position, arrived=entered_wall, timed_out=is_timeout(exc))
     until = max(entered + SURVIVOR_WAIT * board.timeout, time.monotonic() + board.timeout / 4)
-    return board.culprit(wave, suspects=None, until=until, label=label)
+    return board.culprit(wave, suspects=None, until=until, label=label, earlier=earlier)

@@ -78,11 +78,16 @@ class GroupPool:
     Attributes:
         world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
         created: number of groups created; ``creation_seconds``: wall time of creating them.
-        axis_group: a group over the whole axis, for synchronisation points.
-        control_group: a gloo group over the axis: plan agreement and status exchange.
+        axis_group: a group over the whole axis (None when the axis is the whole job).
+        control_group: a gloo group over the axis (the board's secret; the plan agreement on
+            gloo jobs).
+        agreement_group, agreement_device: where ``execute`` compares plan digests (the device
+            group on NCCL, the control group on gloo).
         timeout: the groups' timeout in seconds.
         store: a Store namespace of this pool (shared by its ranks).
         calls: ``execute`` calls so far on this rank (every rank counts the same).
+        last_call: (call number, number of waves) of the last ``execute`` on this rank, for
+            naming a failure found at the gradient reduction after it.
 
     Raises:
         ValueError: bad ranks, group sizes, head sizes or timeout.
@@ -148,6 +153,15 @@ class GroupPool:
         self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
         self._board_secret = shared_secret(self.control_group)
         self.calls = 0
+        self.last_call = (-1, 0)  # (call number, waves) of the last execute on this rank
+        # The per-step plan agreement: one all_reduce, on the device group where there is one
+        # (NCCL: tree latency, logarithmic in the ranks), else on the gloo control group.
+        if self.backend == "nccl":
+            self.agreement_group = self.axis_group or dist.group.WORLD
+            self.agreement_device: torch.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.agreement_group = self.control_group
+            self.agreement_device = torch.device("cpu")
         self.created = 0
         for size in self.group_sizes:
             if size == 1:
