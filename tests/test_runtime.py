@@ -178,6 +178,7 @@ def _fail_worker(
 
     try:
         execute(plan, pool, step_fn)
+        reduce_loss([torch.zeros((), dtype=torch.float64)], pool=pool)  # where every rank meets
     except StepFailed as exc:
         return str(exc), list(exc.ranks)
     return "no error", []
@@ -194,7 +195,8 @@ def test_failing_step_fails_every_rank(bad_rank: int, bad_wave: int) -> None:
         pg_timeout=8,
     )
     # Every rank raised StepFailed (anything else fails run_gloo) naming the failing rank and
-    # carrying its error, including the ring peer that was blocked on it.
+    # carrying its error: the ring peer blocked on it in execute, the others (dataflow: no
+    # barrier between waves) at the reduction after it.
     for message, ranks in results:
         assert f"rank {bad_rank} failed in wave {bad_wave}" in message, message
         assert "ValueError: boom from the user's step" in message, message
