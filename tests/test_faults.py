@@ -48,7 +48,7 @@ from dyncp.plan_auth import PlanSigner
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
-from dyncp.service import plan_batch, step_key
+from dyncp.service import plan_batch, slice_key, step_key
 
 WORLD, CAPACITY = 4, 1024
 T = 1.5  # the job's process-group timeout in every scenario
@@ -183,7 +183,9 @@ STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 # ---------------------------------------------------------------------------------- sampler
 
 
-def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -> dict:
+def _sampler_run(
+    rank: int, port: int, prefix: str, wrap_fetch=None, wrap_rank: int = 0, **kwargs
+) -> dict:
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
     sampler = DynamicCPSampler(  # the plan agreement is on by default, on its own group
         make_lengths(),
@@ -199,7 +201,7 @@ def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -
         secret=kwargs.pop("secret", None),
         **kwargs,
     )
-    if wrap_fetch is not None and rank == 0:
+    if wrap_fetch is not None and rank == wrap_rank:
         client = sampler._source.client
         client.fetch = wrap_fetch(client.fetch)
     samples, out = [], {}
@@ -259,6 +261,35 @@ def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
         on_step=on_step,
         wrap_fetch=attack_after,
         planner=make_planner(policy="static", max_length=WORLD * CAPACITY),
+    )
+
+
+SLICELESS = 2  # the rank whose slice of step 1 is deleted before it reads it
+
+
+def _slice_deleted(rank: int, port: int) -> dict:
+    """Plans travel as slices; rank SLICELESS's slice of step 1 is deleted (by any Store
+    client) after the service published it. Every rank raises in step 1, naming that rank."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    key = step_key("slice-deleted", 0, 1)
+
+    def delete_first(fetch):
+        def fetch_after_deletion(epoch: int, step: int):
+            if step == 1:
+                store.wait([key], datetime.timedelta(seconds=30))
+                store.delete_key(slice_key(key, SLICELESS))
+            return fetch(epoch, step)
+
+        return fetch_after_deletion
+
+    return _sampler_run(
+        rank,
+        port,
+        "slice-deleted",
+        secret=SECRET,
+        slices=True,
+        wrap_fetch=delete_first,
+        wrap_rank=SLICELESS,
     )
 
 
@@ -372,6 +403,7 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("garbage", _sampler_run, rank, port, "garbage")
     scenario("overwrite", _tamper_after_rank0, rank, port, "overwrite")
     scenario("delete", _tamper_after_rank0, rank, port, "delete")
+    scenario("slice-deleted", _slice_deleted, rank, port)
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
@@ -494,6 +526,15 @@ def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
         assert r["kind"] == "StepFailed" and r["ranks"] == [3], r
         assert "rank 3 failed in wave 1: ValueError: boom beside forged" in r["message"], r
         assert r["seconds"] <= 2 * T + SLACK, r
+
+
+@pytest.mark.timeout(180)
+def test_a_deleted_slice_raises_in_that_step_naming_its_rank(chaos: list[dict]) -> None:
+    runs = [r["slice-deleted"] for r in chaos]
+    for r in runs:
+        assert r["ranks"] == [SLICELESS], r
+        assert r["step"] == 1 and "epoch 0 step 1" in r["error"], r
+    assert len({r["error"] for r in runs}) == 1
 
 
 @pytest.mark.timeout(180)
