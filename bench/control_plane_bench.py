@@ -18,7 +18,9 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    tokens of the bundled Wikipedia sample at N = 4,096 and 16,384 (JSON bytes, decode, digest,
    validation, this rank's own checks), before (reader validates, sampler and ``execute`` hash,
    ``execute`` validates) and after (``execute(agree=False, validate=False)`` behind the
-   sampler's agreement).
+   sampler's agreement); and with slices (``dyncp.plan_slice``): bytes a rank reads (header +
+   its slice), the CPU to decode the header and check its slice, all slices' bytes against the
+   plan's JSON, and the maker's time to cut the plan.
 3. The model: each collective's latency fitted as a + b log2 N and as a + b N (least squares
    over the measured N; the better fit is used), the Store as a server of fixed throughput;
    per step: agreement + waves x exchange (before) or agreement (after), plus every rank
@@ -48,9 +50,11 @@ import torch.multiprocessing as mp
 from dyncp.agreement import PendingAgreement
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
+from dyncp.plan_slice import SliceHeader, open_slice, slice_plan
 from dyncp.planner.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.executor import _check
+from dyncp.testing.distributed import CountingStore
 
 STEP_SECONDS = 5.0  # the step the overhead is compared with
 PAYLOAD = 1 << 20  # bytes of the value the readers fetch (a plan of ~4,000 ranks)
@@ -69,38 +73,6 @@ def _two_wave_plan(world: int) -> StepPlan:
         Wave(tuple(Group(s, pairs, (mb((world + s // pairs,)),)) for s in range(0, world, pairs))),
     )
     return StepPlan(Topology(world, world, 64), (8,) * (world + world // pairs), waves)
-
-
-class CountingStore(dist.Store):
-    """Counts every request the pool makes to the job's Store (a seam, not a cache)."""
-
-    def __init__(self, inner: dist.Store) -> None:
-        super().__init__()
-        self.inner, self.requests = inner, 0
-
-    def set(self, key, value):
-        self.requests += 1
-        self.inner.set(key, value)
-
-    def get(self, key):
-        self.requests += 1
-        return self.inner.get(key)
-
-    def add(self, key, amount):
-        self.requests += 1
-        return self.inner.add(key, amount)
-
-    def check(self, keys):
-        self.requests += 1
-        return self.inner.check(keys)
-
-    def compare_set(self, key, expected, desired):
-        self.requests += 1
-        return self.inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key):
-        self.requests += 1
-        return self.inner.delete_key(key)
 
 
 def _count_collectives(counts: Counter) -> None:
@@ -242,6 +214,19 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
     }
     row["before"] = row["decode"] + 2 * row["validate"] + 2 * row["digest"]
     row["after"] = row["decode"] + row["validate"] + row["digest"] + row["own_check"]
+    # Slices: the maker cuts the plan once; a rank decodes the header and checks its slice.
+    row["cut"] = _seconds(lambda: slice_plan(plan), repeats=1)
+    header, records = slice_plan(plan)
+    sizes = np.array([len(r) for r in records])
+    raw_header = header.to_json()
+    positions = range(0, plan.topology.world, max(1, plan.topology.world // 64))
+    row["slice_cpu"] = max(
+        _seconds(lambda p=p: open_slice(SliceHeader.from_json(raw_header), records[p], p))
+        for p in positions
+    )
+    row["slice_median"], row["slice_max"] = int(np.median(sizes)), int(sizes.max())
+    row["header_bytes"] = len(raw_header)
+    row["slices_stored"] = int(sizes.sum()) + len(raw_header)
     return row
 
 
@@ -277,8 +262,10 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     rows = {w: measure(w, args.iters) for w in worlds}
     print(f"1. real gloo processes on this machine ({os.cpu_count()} cores), p50 per step:")
-    print("   N   before (all_gather + 2 exchanges)   after (all_reduce)   ratio   execute no-op"
-          "   collectives/step   Store req/step   Store MB/s   Store get")
+    print(
+        "   N   before (all_gather + 2 exchanges)   after (all_reduce)   ratio   execute no-op"
+        "   collectives/step   Store req/step   Store MB/s   Store get"
+    )
     for w, r in rows.items():
         print(
             f"  {w:3d}   {r['before']:10.0f} us {'':21} {r['after']:9.0f} us   "
@@ -293,13 +280,17 @@ def main() -> None:
     throughput = float(np.median([rows[w]["store_mb_per_s"] for w in worlds])) * 1e6
     cpu = offline([4096, 16384]) if args.offline else {}
     if cpu:
-        print("2. per-rank CPU per step on the whole plan (megatron plans, Wikipedia lengths):")
+        print("2. per-rank CPU per step (megatron plans, Wikipedia lengths):")
         for w, r in cpu.items():
             print(
                 f"  {w:6d} ranks: {r['sequences']} sequences, JSON {r['json_bytes'] / 1e6:.2f} MB;"
                 f" decode {r['decode'] * 1e3:.0f} ms, digest {r['digest'] * 1e3:.0f} ms, validate"
                 f" {r['validate'] * 1e3:.0f} ms, own groups {r['own_check'] * 1e3:.1f} ms ->"
-                f" before {r['before'] * 1e3:.0f} ms, after {r['after'] * 1e3:.0f} ms"
+                f" whole plan before {r['before'] * 1e3:.0f} ms, after {r['after'] * 1e3:.0f} ms;"
+                f" slices: header {r['header_bytes']} B + slice median {r['slice_median']} B /"
+                f" max {r['slice_max']} B, checked in {r['slice_cpu'] * 1e3:.2f} ms (worst of"
+                f" 64 positions); all slices {r['slices_stored'] / r['json_bytes']:.2f}x the"
+                f" plan's JSON; cut once by the maker in {r['cut']:.2f} s"
             )
     print(
         f"3. model (Store throughput {throughput / 1e6:.0f} MB/s, measured above; plan bytes "
@@ -318,6 +309,15 @@ def main() -> None:
                 f"fetch {fetch:7.2f} s ({world * plan_bytes / 1e9:.1f} GB) + per-rank CPU "
                 f"{cpu_text} = {total:7.2f} s ({100 * total / STEP_SECONDS:.1f}% of a "
                 f"{STEP_SECONDS:g} s step)"
+            )
+        if per_rank:
+            read = world * (per_rank["header_bytes"] + per_rank["slice_median"])
+            total = agree["after"] + read / throughput + per_rank["slice_cpu"]
+            print(
+                f"  {world:6d} ranks slices: collectives {agree['after'] * 1e3:7.1f} ms + slice "
+                f"fetch {read / throughput * 1e3:7.1f} ms ({read / 1e6:.1f} MB) + per-rank CPU "
+                f"{per_rank['slice_cpu'] * 1e3:6.2f} ms = {total:7.2f} s "
+                f"({100 * total / STEP_SECONDS:.1f}% of a {STEP_SECONDS:g} s step)"
             )
 
 

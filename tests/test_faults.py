@@ -49,6 +49,7 @@ from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import plan_batch, slice_key, step_key
+from dyncp.testing.distributed import CountingStore
 
 WORLD, CAPACITY = 4, 1024
 T = 1.5  # the job's process-group timeout in every scenario
@@ -344,6 +345,43 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
     return out
 
 
+def _healthy_counted(rank: int) -> dict:
+    """A healthy step in which three ranks wait 0.3 s inside a ring for the fourth, counted at
+    the seams: Store requests the pool makes, and collectives on the control group."""
+    store = CountingStore(dist.distributed_c10d._get_default_store())
+    pool = GroupPool(store=store)
+    control: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "barrier")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is pool.control_group:
+                control.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    def step_fn(ctx) -> None:
+        if rank == 3 and ctx.step_wave == 0:
+            time.sleep(0.3)  # the others wait for it inside the ring's collective
+        if ctx.cp > 1:
+            dist.all_reduce(torch.ones(1), group=ctx.layout.group)
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        store.requests = 0
+        execute(hand_plan(), pool, step_fn)
+        agreed = (list(control), store.requests)
+        control.clear()
+        execute(hand_plan(), pool, step_fn, agree=False)  # compared already this step
+        skipped = (list(control), store.requests)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"agreed": agreed, "skipped": skipped}
+
+
 ABSENT = 2  # the rank whose training loop never asks its sampler for a micro-batch
 
 
@@ -384,6 +422,13 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     results: dict = {}
 
     def scenario(name: str, fn, *args, **kwargs) -> None:
+        # Line the ranks up first (a loaded machine starts and ends them seconds apart): the
+        # process group's rendezvous and connections must fit in its timeout T.
+        lineup = dist.FileStore(f"{tmp}/{name}.lineup", WORLD)
+        lineup.add("here", 1)
+        end = time.monotonic() + 60
+        while lineup.add("here", 0) < WORLD and time.monotonic() < end:
+            time.sleep(0.01)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{tmp}/{name}.pg",
@@ -407,6 +452,7 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
+    scenario("healthy-counted", _healthy_counted, rank)
     for fault in EXECUTE_FAULTS:
         store = _scenario_store(tmp, fault)
         scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
@@ -547,6 +593,18 @@ def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> Non
     assert all(r["kind"] != "ok" for r in at_boundary), at_boundary  # the wait is real...
     assert all(r["seconds"] <= 2 * T + SLACK for r in at_boundary), at_boundary  # ...and bounded
     assert any(r["kind"] == "PlanAgreementError" for r in at_boundary), at_boundary
+
+
+@pytest.mark.timeout(180)
+def test_a_healthy_step_makes_one_agreement_and_no_store_request(chaos: list[dict]) -> None:
+    """Dataflow: no status exchange between waves, no synchronisation after the last, no Store
+    polling while ranks wait: one all_reduce on the control group per step, none with
+    ``agree=False``, and not one Store request."""
+    for r in chaos:
+        got = r["healthy-counted"]
+        assert got.get("kind") != "crash", got
+        assert got["agreed"] == [["all_reduce"], 0], got
+        assert got["skipped"] == [[], 0], got
 
 
 @pytest.mark.timeout(180)

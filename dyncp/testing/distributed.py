@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_gloo", "SpawnError"]
+__all__ = ["CountingStore", "SpawnError", "run_gloo"]
 
 
 class SpawnError(RuntimeError):
@@ -88,3 +88,40 @@ def run_gloo(
                 raise SpawnError(f"rank {rank} raised:\n{value}")
             results.append(value)
         return results
+
+
+class CountingStore(dist.Store):
+    """A Store written in Python that counts every request before passing it on.
+
+    A seam for tests and benchmarks (how many Store requests a step makes), and a Python
+    subclass of ``torch.distributed.Store``: whoever keeps only a wrapper around it (a
+    ``PrefixStore``) lets it be collected.
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner, self.requests = inner, 0
+
+    def set(self, key, value):
+        self.requests += 1
+        self.inner.set(key, value)
+
+    def get(self, key):
+        self.requests += 1
+        return self.inner.get(key)
+
+    def add(self, key, amount):
+        self.requests += 1
+        return self.inner.add(key, amount)
+
+    def check(self, keys):
+        self.requests += 1
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        self.requests += 1
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        self.requests += 1
+        return self.inner.delete_key(key)
