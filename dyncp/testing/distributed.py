@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import re
 import tempfile
 import time
 import traceback
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["CountingStore", "SpawnError", "run_gloo"]
+
+_COMM = re.compile(r"connectFullMesh|Connection (closed|reset)|timed out|Timed out", re.IGNORECASE)
 
 
 class SpawnError(RuntimeError):
@@ -78,15 +81,21 @@ def run_gloo(
                     if p.is_alive():
                         p.kill()
                 raise SpawnError(f"{world} gloo ranks did not finish within {timeout} s")
-        results = []
+        results, errors = [], []
         for rank in range(world):
             path = Path(tmp, f"rank{rank}.pkl")
             if not path.exists():
                 raise SpawnError(f"rank {rank} exited without a result")
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
-                raise SpawnError(f"rank {rank} raised:\n{value}")
+                errors.append((rank, value))
             results.append(value)
+        if errors:
+            # The cause, not its echo: a rank that raised takes its connections down, and a
+            # slower peer (still connecting, or in a collective with it) then fails on those.
+            causes = [e for e in errors if not _COMM.search(e[1].strip().splitlines()[-1])]
+            rank, text = (causes or errors)[0]
+            raise SpawnError(f"rank {rank} raised:\n{text}")
         return results
 
 
