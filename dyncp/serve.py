@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--connect-timeout", type=_seconds(zero=False), default=60.0)
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
-    p.add_argument("--refit-every", type=int, default=64, help="micro-batches between refits")
+    p.add_argument("--refit-every", type=int, default=4, help="steps between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     return p.parse_args(argv)
 

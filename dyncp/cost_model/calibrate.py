@@ -45,8 +45,7 @@ The fit is deterministic: same profile, same measurements in the same order, sam
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import date
 
@@ -54,6 +53,12 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.stats import trim_mean
 
+from dyncp.cost_model.measurements import (
+    CalibrationError,
+    Measurement,
+    MeasurementBuffer,
+    WaveMeasurement,
+)
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import AttentionTable, Profile
 
@@ -75,90 +80,12 @@ F_SCALE = 0.05
 #: Weight of each coefficient's prior row: a 100% change of a coefficient costs as much as one
 #: measurement 5% off, so data decide wherever they say anything.
 PRIOR_WEIGHT = 0.05
+#: Weight of a measurement from an older regime (before a detected change of the machine):
+#: it informs how cost varies with lengths and CP sizes at half the say of a current one, so
+#: that where the change was not the same factor everywhere, current data decide the shape.
+OLD_REGIME_WEIGHT = 0.5
 #: Largest bandwidth a fit may write (bytes/s): "no measurable transfer cost" stays finite.
 MAX_BANDWIDTH = 1e15
-
-
-class CalibrationError(ValueError):
-    """Measurements that cannot calibrate anything (the message says what is wrong)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Measurement:
-    """One micro-batch as run: its CP size, its sequence lengths and the group's seconds.
-
-    ``seconds`` is the slowest rank of the group (ring ranks finish together; the micro-batch is
-    over when the last one is).
-    """
-
-    cp: int
-    lengths: tuple[int, ...]
-    seconds: float
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cp, bool) or int(self.cp) != self.cp or self.cp < 1:
-            raise CalibrationError(f"measurement cp must be an integer >= 1, got {self.cp!r}")
-        if not self.lengths or any(int(s) < 1 for s in self.lengths):
-            raise CalibrationError(
-                f"measurement lengths must be a non-empty sequence of integers >= 1, got "
-                f"{self.lengths!r}"
-            )
-        if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise CalibrationError(
-                f"measurement seconds must be finite and > 0, got {self.seconds!r}"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class WaveMeasurement:
-    """One wave as run: its wall-clock seconds and its slowest group's micro-batch seconds.
-
-    The difference is what the wave's synchronisation cost (``overheads.wave_seconds``).
-    """
-
-    seconds: float
-    busy_seconds: float
-
-    def __post_init__(self) -> None:
-        for name in ("seconds", "busy_seconds"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise CalibrationError(f"wave measurement {name} must be finite and >= 0, got {v}")
-
-
-class MeasurementBuffer:
-    """The most recent measurements, bounded: ``per_cp`` micro-batches per CP size, ``waves`` waves.
-
-    Bounded per CP size so that a run dominated by one CP size still remembers the others (the
-    fit needs each size to learn its ring cost), and recent-first so the model follows a machine
-    that changes. Memory is O(per_cp x CP sizes x sequences per micro-batch).
-    """
-
-    def __init__(self, per_cp: int = 256, waves: int = 256) -> None:
-        if per_cp < 1 or waves < 1:
-            raise ValueError(f"per_cp and waves must be >= 1, got {per_cp}, {waves}")
-        self.per_cp = per_cp
-        self._mb: dict[int, deque[Measurement]] = {}
-        self._waves: deque[WaveMeasurement] = deque(maxlen=waves)
-        self.seen = 0  # micro-batch measurements ever added
-
-    def add(self, items: Iterable[Measurement | WaveMeasurement]) -> None:
-        for m in items:
-            if isinstance(m, WaveMeasurement):
-                self._waves.append(m)
-            else:
-                self._mb.setdefault(m.cp, deque(maxlen=self.per_cp)).append(m)
-                self.seen += 1
-
-    def microbatches(self) -> list[Measurement]:
-        """Held micro-batch measurements, by CP size then age (a deterministic order)."""
-        return [m for cp in sorted(self._mb) for m in self._mb[cp]]
-
-    def waves(self) -> list[WaveMeasurement]:
-        return list(self._waves)
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self._mb.values())
 
 
 # ---------------------------------------------------------------------------------- features
@@ -174,12 +101,16 @@ class _Features:
     attention: np.ndarray  # sum over sequences of the profile's net attention per step
     sequences: np.ndarray  # weight of the per-sequence cost per step (n, or n / c all-to-all)
     measured: np.ndarray
+    regime: np.ndarray  # 0: the current regime; k: k change points back (own free level)
+    weight: np.ndarray  # 1 for the current regime, OLD_REGIME_WEIGHT before
 
     def subset(self, keep: np.ndarray) -> _Features:
         return _Features(*(getattr(self, n)[keep] for n in _Features.__slots__))
 
 
-def _features(model: CostModel, ms: Sequence[Measurement], sizes: list[int]) -> _Features:
+def _features(
+    model: CostModel, ms: Sequence[Measurement], sizes: list[int], regimes: np.ndarray
+) -> _Features:
     n = len(ms)
     tokens, attention, sequences = np.empty(n), np.empty(n), np.empty(n)
     for i, m in enumerate(ms):
@@ -200,6 +131,8 @@ def _features(model: CostModel, ms: Sequence[Measurement], sizes: list[int]) -> 
         attention=attention,
         sequences=sequences,
         measured=np.array([m.seconds for m in ms], dtype=np.float64),
+        regime=regimes,
+        weight=np.where(regimes == 0, 1.0, OLD_REGIME_WEIGHT),
     )
 
 
@@ -246,9 +179,14 @@ def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -
     return total + layers * layer
 
 
-def _scales(theta0: np.ndarray, f: _Features, model: CostModel, sizes: list[int]) -> np.ndarray:
+def _scales(f: _Features, model: CostModel, sizes: list[int]) -> np.ndarray:
     """Natural magnitude of each coefficient: the value at which its term alone would explain
-    the median measurement. Conditions the problem; stands in for zero-valued priors."""
+    the median measurement.
+
+    The solver works in these units, whatever the profile's values: a coefficient profiled at
+    0, or at 1e-17 s against a true millisecond, moves as freely as any other (scaling by the
+    current value would freeze a tiny one: every step it may take is tiny too).
+    """
     med = float(np.median(f.measured))
     L, c = model.layers, f.cp
     steps = np.where(f.link >= 0, c, 1.0) if not model.all_to_all else np.ones_like(c)
@@ -265,18 +203,32 @@ def _scales(theta0: np.ndarray, f: _Features, model: CostModel, sizes: list[int]
         usage += [hops, hops * model.kvb * (float(np.median(f.tokens[sel])) if sel.any() else 1.0)]
     out = np.array([med / max(u, 1e-300) for u in usage])
     out[1] = 1.0  # the attention scale is already relative
-    return np.where(theta0 > 0, theta0, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------- results
 
 
 @dataclass(frozen=True, slots=True)
+class Holdout:
+    """Two models judged on the same held-out measurements (:func:`holdout_error`)."""
+
+    before: float  # root mean square log(predicted / measured), model before the refit
+    after: float  # the same for the refitted model
+    gain_error: float  # standard error of the mean of the per-measurement squared-error gains
+    gain: float  # mean of (before residual^2 - after residual^2)
+    change: float  # root mean square of log(after / before) predictions: how much moved
+    measurements: int  # held-out measurements both were judged on
+
+
+@dataclass(frozen=True, slots=True)
 class CalibrationResult:
     """A fitted profile and how well the old and the new one predict the measurements.
 
-    Errors are mean |predicted / measured - 1| over the inlier micro-batches (outliers are what
-    the fit refused to learn from, so they are not what the model should be judged on).
+    ``error_*`` are mean |predicted / measured - 1| over the inlier micro-batches of the current
+    regime, in-sample (outliers are what the fit refused to learn from, so they are not what the
+    model should be judged on). ``holdout``: the same models judged on measurements the fit never
+    saw (:func:`holdout_error`; None when no hold-out set was given): what adoption uses.
     """
 
     profile: Profile
@@ -289,11 +241,53 @@ class CalibrationResult:
     by_cp: dict[int, int] = field(default_factory=dict)
     wave_measurements: int = 0
     overlap: bool = True  # the overlap rule the fit kept
+    holdout: Holdout | None = None
+    noise: float = 0.0  # robust spread of the fit's log residuals (1.4826 x MAD)
 
 
 def prediction_errors(model: CostModel, ms: Sequence[Measurement]) -> np.ndarray:
     """Relative errors ``predicted / measured - 1`` of ``model`` on ``ms``."""
     return np.array([model.microbatch_seconds(m.cp, m.lengths) / m.seconds - 1.0 for m in ms])
+
+
+def holdout_error(
+    before: CostModel, after: CostModel, ms: Sequence[Measurement], *, spread: float | None = None
+) -> Holdout:
+    """Two models judged on the same held-out measurements: the root mean square of
+    log(predicted / measured) over the measurements that neither model calls an outlier
+    (further than 3 robust spreads, at least 3 x 5%, from its median residual). ``spread``:
+    the noise the fit measured on its (many more) training measurements; default: each
+    model's spread on ``ms``.
+
+    Logs, because noise on run times is multiplicative (a model that predicts the median run
+    scores best); squares, because they rank two models by their bias as well as their spread
+    (a mean absolute error barely moves with a small bias under heavy noise); outliers out,
+    because stragglers are one-sided: kept in, even clipped, they reward a model that predicts
+    too slow. Both models are judged on the same measurements (a paired comparison), so the
+    noise they share does not decide either; ``gain_error`` says how much the rest does.
+    """
+    seconds = np.array([m.seconds for m in ms])
+    r = [
+        np.log(np.array([model.microbatch_seconds(m.cp, m.lengths) for m in ms]) / seconds)
+        for model in (before, after)
+    ]
+    keep = np.ones(len(ms), dtype=bool)
+    for x in r:
+        med, own = _spread(x)
+        keep &= np.abs(x - med) <= 3.0 * max(own if spread is None else spread, F_SCALE)
+    if not keep.any():
+        keep[:] = True
+    a, b = r[0][keep], r[1][keep]
+    gains = a**2 - b**2
+    n = int(keep.sum())
+    return Holdout(
+        before=math.sqrt(float(np.mean(a**2))),
+        after=math.sqrt(float(np.mean(b**2))),
+        gain_error=float(np.std(gains)) / math.sqrt(n) if n > 1 else math.inf,
+        gain=float(np.mean(gains)),
+        change=math.sqrt(float(np.mean((a - b) ** 2))),
+        measurements=n,
+    )
 
 
 def _solve(
@@ -302,28 +296,59 @@ def _solve(
     theta0: np.ndarray,
     scale: np.ndarray,
     start: np.ndarray,
+    levels: np.ndarray,
     loss: str,
+    f_scale: float,
     overlap: bool,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
+    """Minimise the robust loss of the weighted log residuals plus the prior rows; returns
+    the coefficients and the log level of each older regime (index k - 1 for regime k),
+    starting from ``start`` and ``levels``."""
     x_prior = theta0 / scale
-    prior_norm = np.maximum(x_prior, 1.0)
+    prior_norm = np.maximum(np.abs(x_prior), 1.0)
+    n_coef = len(theta0)
+    n_old = len(levels)
+    log_measured = np.log(f.measured)
+    level_index = np.maximum(f.regime - 1, 0)
+    old = f.regime > 0
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        pred = _predict(x * scale, f, model, overlap)
-        return np.concatenate(
-            [pred / f.measured - 1.0, PRIOR_WEIGHT * (x - x_prior) / prior_norm]
-        )
+        pred = _predict(x[:n_coef] * scale, f, model, overlap)
+        r = np.log(np.maximum(pred, 1e-300)) - log_measured
+        if n_old:
+            r = r + np.where(old, x[n_coef:][level_index], 0.0)
+        return np.concatenate([f.weight * r, PRIOR_WEIGHT * (x[:n_coef] - x_prior) / prior_norm])
 
-    lower = np.zeros(len(theta0))
+    lower = np.zeros(n_coef)
     lower[1] = 1e-6  # the attention table must stay positive
     lower[6::2] = 1.0 / MAX_BANDWIDTH / scale[6::2]  # bandwidths stay finite
-    x0 = np.clip(start / scale, lower, None)
+    x0 = np.clip(start[:n_coef] / scale, lower, None)
     x0 = np.where(x0 <= lower, lower * 1.000001 + 1e-12, x0)
     sol = least_squares(
-        residuals, x0, bounds=(lower, np.inf), loss=loss, f_scale=F_SCALE, method="trf",
-        x_scale=1.0, max_nfev=400,
+        residuals,
+        np.concatenate([x0, levels]),
+        bounds=(np.concatenate([lower, np.full(n_old, -np.inf)]), np.inf),
+        loss=loss,
+        f_scale=f_scale,
+        method="trf",
+        x_scale=1.0,
+        max_nfev=400,
     )
-    return sol.x * scale
+    return sol.x[:n_coef] * scale, sol.x[n_coef:]
+
+
+def _log_residuals(
+    theta: np.ndarray, levels: np.ndarray, f: _Features, model: CostModel, overlap: bool
+) -> np.ndarray:
+    r = np.log(np.maximum(_predict(theta, f, model, overlap), 1e-300)) - np.log(f.measured)
+    if len(levels):
+        r = r + np.where(f.regime > 0, levels[np.maximum(f.regime - 1, 0)], 0.0)
+    return r
+
+
+def _spread(r: np.ndarray) -> tuple[float, float]:
+    med = float(np.median(r))
+    return med, 1.4826 * float(np.median(np.abs(r - med)))
 
 
 def fit_profile(
@@ -334,6 +359,8 @@ def fit_profile(
     waves: Sequence[WaveMeasurement] = (),
     min_measurements: int = 8,
     source: str = "online calibration",
+    regimes: Sequence[int] | None = None,
+    holdout: Sequence[Measurement] = (),
 ) -> CalibrationResult:
     """Refit ``profile``'s coefficients to ``measurements`` (see the module docstring).
 
@@ -344,9 +371,16 @@ def fit_profile(
         waves: wave timings, to refit ``overheads.wave_seconds`` (kept when empty).
         min_measurements: fewer than this raise CalibrationError.
         source: what the measurements came from (goes into the new profile's provenance).
+        regimes: per measurement, 0 for the machine as it is now and k > 0 for the regime k
+            change points back (``MeasurementBuffer.regime``): each older regime is fitted with
+            a free level of its own and weight ``OLD_REGIME_WEIGHT``. Default: all 0.
+        holdout: measurements the fit does not see, to judge the old and the new model on
+            (``CalibrationResult.holdout_*``).
 
     Raises:
-        CalibrationError: too few measurements, or a layer-mix profile (not fitted yet).
+        CalibrationError: too few measurements of the current regime, a measurement the
+            profile cannot price (a group larger than any listed link, a head split), or a
+            layer-mix profile (not fitted yet).
     """
     if profile.layer_mix is not None:
         raise CalibrationError(
@@ -354,37 +388,74 @@ def fit_profile(
             "fit_profile refits dense-transformer profiles only (their formula is the one fitted)"
         )
     ms = list(measurements)
-    if len(ms) < min_measurements:
+    reg = np.zeros(len(ms), dtype=np.int64) if regimes is None else np.asarray(regimes, np.int64)
+    if reg.shape != (len(ms),) or (reg < 0).any():
         raise CalibrationError(
-            f"{len(ms)} micro-batch measurements; calibration needs at least {min_measurements}"
+            f"regimes must give one integer >= 0 per measurement ({len(ms)}), got {regimes!r}"
         )
+    current = int((reg == 0).sum())
+    if current < min_measurements:
+        raise CalibrationError(
+            f"{current} micro-batch measurements of the current regime; calibration needs at "
+            f"least {min_measurements}"
+        )
+    if any(m.heads != 1 for m in (*ms, *holdout)):
+        raise CalibrationError("fit_profile prices ring micro-batches (heads = 1) only")
+    # Renumber the older regimes present 1..k so that every free level has data.
+    present = sorted(set(reg.tolist()) - {0})
+    reg = np.array([0 if r == 0 else present.index(r) + 1 for r in reg.tolist()], np.int64)
     model = CostModel(profile, ranks_per_node)
     sizes = sorted({m.cp for m in ms if m.cp > 1})
-    f = _features(model, ms, sizes)
+    for c in sizes:
+        try:
+            model.link(c)
+        except ValueError as exc:
+            raise CalibrationError(f"a measurement the profile cannot price: {exc}") from None
+    f = _features(model, ms, sizes, reg)
     theta0 = _coefficients(model, sizes)
-    scale = _scales(theta0, f, model, sizes)
+    scale = _scales(f, model, sizes)
+    # Each older regime starts at its median log ratio to the profile (its level then moves).
+    levels0 = np.zeros(len(present))
+    for k in range(1, len(present) + 1):
+        sel = reg == k
+        pred = _predict(theta0, f.subset(sel), model, model.overlap)
+        levels0[k - 1] = float(np.median(np.log(f.measured[sel]) - np.log(pred)))
 
-    def fit(overlap: bool) -> tuple[np.ndarray, np.ndarray, float]:
-        first = _solve(f, model, theta0, scale, theta0, "cauchy", overlap)
-        r = _predict(first, f, model, overlap) / f.measured - 1.0
-        med = float(np.median(r))
-        mad = float(np.median(np.abs(r - med)))
-        keep = np.abs(r - med) <= max(3 * 1.4826 * mad, F_SCALE)
-        theta = _solve(f.subset(keep), model, theta0, scale, first, "soft_l1", overlap)
+    def fit(overlap: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+        # Pass 1: a median fit (soft-L1 at 5%: almost L1), robust to any straggler share
+        # below one half. Passes 2-3: drop what lies beyond 3 robust spreads of the median
+        # residual, refit the rest with a Cauchy loss at that spread (stragglers just inside
+        # the cut pull little), from the previous solution.
+        theta, levels = _solve(
+            f, model, theta0, scale, theta0, levels0, "soft_l1", F_SCALE, overlap
+        )
+        keep = np.ones(len(ms), dtype=bool)
+        spread = F_SCALE
+        for _ in range(2):
+            r = _log_residuals(theta, levels, f, model, overlap)
+            med, spread = _spread(r[keep])
+            keep = np.abs(r - med) <= max(3.0 * spread, F_SCALE)
+            if not (keep & (reg == 0)).any():
+                break
+            theta, levels = _solve(
+                f.subset(keep), model, theta0, scale, theta, levels, "cauchy",
+                max(spread, 1e-3), overlap,
+            )
         if not np.isfinite(theta).all():  # least_squares keeps iterates finite; a guard
-            theta = theta0
-        fitted = _predict(theta, f, model, overlap) / f.measured - 1.0
-        return theta, keep, float(np.median(np.abs(fitted)))
+            theta, levels = theta0, np.zeros_like(levels)
+        r = _log_residuals(theta, levels, f, model, overlap)
+        score = float(np.median(np.abs(r[reg == 0])))
+        return theta, levels, keep, score, spread
 
     # The overlap rule is part of the form, and the one assumption measurements can settle:
     # where rings were measured, both rules are fitted and the one that predicts better (median
-    # |error| over all measurements) is kept; a tie keeps the profile's.
+    # |log error| over the current regime) is kept; a tie keeps the profile's.
     overlap = model.overlap
-    theta, keep, score = fit(overlap)
+    theta, _, keep, score, spread = fit(overlap)
     if sizes and not model.all_to_all:
         other = fit(not overlap)
-        if other[2] < score - 1e-9:
-            overlap, (theta, keep, score) = not overlap, other
+        if other[3] < score - 1e-9:
+            overlap, (theta, _, keep, score, spread) = not overlap, other
     wave = profile.overheads.wave_seconds
     if waves:
         # A trimmed mean, not the median: costs the step pays once (the plan agreement, counted
@@ -394,14 +465,16 @@ def fit_profile(
         wave = float(trim_mean(gaps, 0.1))
     new = _apply(profile, theta, wave, sizes, model, overlap)
     new_model = CostModel(new, ranks_per_node)
-    inliers = [m for m, k in zip(ms, keep) if k]
-    before = float(np.mean(np.abs(prediction_errors(model, inliers))))
-    after = float(np.mean(np.abs(prediction_errors(new_model, inliers))))
+    inliers = [m for m, k, g in zip(ms, keep, reg) if k and g == 0]
+    before = float(np.mean(np.abs(prediction_errors(model, inliers)))) if inliers else 0.0
+    after = float(np.mean(np.abs(prediction_errors(new_model, inliers)))) if inliers else 0.0
+    held = holdout_error(model, new_model, holdout, spread=spread) if holdout else None
     by_cp: dict[int, int] = {}
     for m in ms:
         by_cp[m.cp] = by_cp.get(m.cp, 0) + 1
+    outliers = int((~keep).sum())
     new = _with_provenance(
-        new, profile, source, len(ms), int((~keep).sum()), by_cp, before, after, len(waves)
+        new, profile, source, len(ms), outliers, by_cp, before, after, len(waves)
     )
     return CalibrationResult(
         profile=new,
@@ -410,10 +483,12 @@ def fit_profile(
         error_before=before,
         error_after=after,
         measurements=len(ms),
-        outliers=int((~keep).sum()),
+        outliers=outliers,
         by_cp=by_cp,
         wave_measurements=len(waves),
         overlap=overlap,
+        holdout=held,
+        noise=spread,
     )
 
 
