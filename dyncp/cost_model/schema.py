@@ -95,7 +95,7 @@ class RunContext(_Strict):
     """How a measured profile's run was set up: what a validation or a user's run must match.
 
     Times measured with 4 processes sharing 2 cores, or with 8 threads instead of 1, describe
-    another machine; ``dyncp.cost_model.validate`` compares these fields before it compares
+    another machine; ``dyncp.profiling.validate`` compares these fields before it compares
     numbers.
     """
 
