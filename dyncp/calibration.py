@@ -337,9 +337,7 @@ class OnlineCalibrator:
         """Whether the current profile can price ``m`` and its time is within ``MAX_RATIO``
         of the prediction (farther is not a machine the model could be refitted to)."""
         try:
-            if m.heads != 1:
-                return False  # fit_profile prices ring micro-batches only
-            predicted = self._model.microbatch_seconds(m.cp, m.lengths)
+            predicted = self._model.microbatch_seconds(m.cp, m.lengths, heads=m.heads)
         except (ValueError, ArithmeticError):
             return False
         return math.isfinite(predicted) and predicted > 0 and (
@@ -398,7 +396,9 @@ class OnlineCalibrator:
         return np.array(
             [
                 math.log(
-                    self._model.microbatch_seconds(e.measurement.cp, e.measurement.lengths)
+                    self._model.microbatch_seconds(
+                        e.measurement.cp, e.measurement.lengths, heads=e.measurement.heads
+                    )
                     / e.measurement.seconds
                 )
                 for e in entries

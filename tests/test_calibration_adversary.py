@@ -183,3 +183,77 @@ def test_fit_refuses_a_group_the_profile_cannot_price():
     ms = [Measurement(131072, (100,), 1.0)] + [Measurement(1, (100,), 1.0)] * 8
     with pytest.raises(CalibrationError, match="cannot price"):
         fit_profile(load_profile("cpu-gloo"), ms, ranks_per_node=4)
+
+
+# ---------------------------------------------------------------------------------- head splits
+
+#: (group size, heads u): rings of 1, 2 and 4, a head split 2 x 1 and 2 x ring 2 (cpu-gloo lists
+#: the exchange of 2 ranks only: a head group of 4 is not priced by it).
+SPLITS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]
+
+
+def split_truth() -> CostModel:
+    """cpu-gloo (4 query / 2 KV heads) with a head exchange 3x slower than its derived link,
+    1.5 ms more latency, and attention of half the heads costing 0.8 x A / 2 (not A / 2)."""
+    base = load_profile("cpu-gloo")
+    model = CostModel(base, 4)
+    theta = _coefficients(model, [2, 4], [2])
+    theta[9] += 1.5e-3  # u = 2: exchange latency
+    theta[10] *= 3.0  # u = 2: 1 / exchange bandwidth
+    theta[11] = 0.8  # u = 2: attention scale
+    return CostModel(_apply(base, theta, 0.0, [2, 4], model, heads=[2]), 4)
+
+
+def split_measurements(truth: CostModel, rng, n: int, sigma: float) -> list[Measurement]:
+    out = []
+    for i in range(n):
+        cp, u = SPLITS[i % len(SPLITS)]
+        lengths = cb.random_pack(rng, GLOO, cp)
+        t = truth.microbatch_seconds(cp, lengths, heads=u) * math.exp(sigma * rng.standard_normal())
+        out.append(Measurement(cp, lengths, t, heads=u))
+    return out
+
+
+def test_head_splits_fit_exactly_what_the_cost_model_prices():
+    """Measurements priced by the profile itself, rings and splits (u x r = 2 x 1, 2 x 2): the
+    refit keeps every coefficient, exchange links and head scales included."""
+    model = CostModel(load_profile("cpu-gloo"), 4)
+    ms = split_measurements(model, np.random.default_rng(0), 72, 0.0)
+    res = fit_profile(load_profile("cpu-gloo"), ms, ranks_per_node=4)
+    assert res.error_before < 1e-12 and res.error_after < 1e-6
+    assert {"head_scale_2", "exchange_latency_2"} <= set(res.coefficients_after)
+    for name, before in res.coefficients_before.items():
+        assert res.coefficients_after[name] == pytest.approx(before, rel=1e-3, abs=1e-9), name
+
+
+def test_head_splits_are_calibrated_exchange_and_per_head_scale():
+    """A truth whose head exchange and per-head attention cost differ from the profile's
+    assumptions (derived link, 1/u): after calibration on noisy measurements of rings and
+    splits, split predictions are within 3% and the ring / split ratio within 3%."""
+    truth = split_truth()
+    start = CostModel(load_profile("cpu-gloo"), 4)
+    rng = np.random.default_rng(1)
+    cal = OnlineCalibrator(load_profile("cpu-gloo"), ranks_per_node=4, refit_every=2)
+    for _ in range(12):
+        cal.observe(split_measurements(truth, rng, 24, 0.05))
+    fitted = cal.current.model(4)
+    assert fitted.head_scale(2) == pytest.approx(0.8, rel=0.1)
+    eval_rng = np.random.default_rng(9)
+    worst_before = worst_after = 0.0
+    for _ in range(40):
+        lengths = cb.random_pack(eval_rng, GLOO, 2)
+        true = truth.microbatch_seconds(2, lengths) / truth.microbatch_seconds(2, lengths, heads=2)
+        for model in (start, fitted):
+            ratio = model.microbatch_seconds(2, lengths) / model.microbatch_seconds(
+                2, lengths, heads=2
+            )
+            err = abs(ratio / true - 1)
+            if model is start:
+                worst_before = max(worst_before, err)
+            else:
+                worst_after = max(worst_after, err)
+        wide = cb.random_pack(eval_rng, GLOO, 4)
+        assert fitted.microbatch_seconds(4, wide, heads=2) == pytest.approx(
+            truth.microbatch_seconds(4, wide, heads=2), rel=0.03
+        )
+    assert worst_before > 0.10 and worst_after < 0.03, (worst_before, worst_after)

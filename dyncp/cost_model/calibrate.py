@@ -95,70 +95,119 @@ MAX_BANDWIDTH = 1e15
 class _Features:
     """Per-measurement quantities that do not depend on the coefficients being fitted."""
 
-    cp: np.ndarray  # CP size
-    link: np.ndarray  # index into the fitted group sizes (-1: cp 1, no link)
+    steps: np.ndarray  # ring steps per layer (c for a ring, r for a head split u x r, 1: none)
+    link: np.ndarray  # index into the fitted group sizes (-1: no ring link)
     tokens: np.ndarray  # priced tokens per rank
     attention: np.ndarray  # sum over sequences of the profile's net attention per step
-    sequences: np.ndarray  # weight of the per-sequence cost per step (n, or n / c all-to-all)
+    sequences: np.ndarray  # weight of the per-sequence cost per step (n, n / c, n / u)
+    block: np.ndarray  # a ring step's K/V bytes per priced token per rank, / kv_bytes_per_token
+    split: np.ndarray  # index into the fitted head-split sizes u (-1: not split)
+    exchange: np.ndarray  # bytes a rank holds in a layer's head exchanges (forward + backward)
     measured: np.ndarray
     regime: np.ndarray  # 0: the current regime; k: k change points back (own free level)
     weight: np.ndarray  # 1 for the current regime, OLD_REGIME_WEIGHT before
+    n_sizes: int  # ring group sizes fitted (then head-split sizes follow in the parameters)
 
     def subset(self, keep: np.ndarray) -> _Features:
-        return _Features(*(getattr(self, n)[keep] for n in _Features.__slots__))
+        cols = [getattr(self, n)[keep] for n in _Features.__slots__ if n != "n_sizes"]
+        return _Features(*cols, n_sizes=self.n_sizes)
 
 
 def _features(
-    model: CostModel, ms: Sequence[Measurement], sizes: list[int], regimes: np.ndarray
+    model: CostModel,
+    ms: Sequence[Measurement],
+    sizes: list[int],
+    regimes: np.ndarray,
+    heads: Sequence[int] = (),
 ) -> _Features:
     n = len(ms)
-    tokens, attention, sequences = np.empty(n), np.empty(n), np.empty(n)
+    cols = {k: np.zeros(n) for k in ("steps", "tokens", "attention", "sequences", "block",
+                                     "exchange")}
+    link = np.full(n, -1, dtype=np.int64)
+    split = np.full(n, -1, dtype=np.int64)
+    index = {c: j for j, c in enumerate(sizes)}
+    head_index = {u: j for j, u in enumerate(heads)}
+    shape = model.profile.model
     for i, m in enumerate(ms):
         p = model.priced(m.cp, np.asarray(m.lengths)).astype(np.float64)
-        tokens[i] = p.sum() / m.cp
-        if model.all_to_all and m.cp > 1:
-            attention[i] = model._net_attention(p).sum() / m.cp
-            sequences[i] = len(p) / m.cp
+        cols["tokens"][i] = p.sum() / m.cp
+        cols["block"][i] = 1.0
+        if m.heads > 1:
+            ring = m.cp // m.heads
+            held = max(shape.num_kv_heads, m.heads)
+            cols["steps"][i] = ring
+            cols["attention"][i] = model._net_attention(p / ring).sum() / m.heads
+            cols["sequences"][i] = len(p) / m.heads
+            cols["block"][i] = held / shape.num_kv_heads
+            bytes_per_token = (2 * shape.num_heads + 2 * held) * shape.head_dim * shape.dtype_bytes
+            cols["exchange"][i] = 2.0 * bytes_per_token * cols["tokens"][i]
+            split[i] = head_index[m.heads]
+            if ring > 1:
+                link[i] = index[m.cp]
+        elif model.all_to_all and m.cp > 1:
+            cols["steps"][i] = 1
+            cols["attention"][i] = model._net_attention(p).sum() / m.cp
+            cols["sequences"][i] = len(p) / m.cp
+            link[i] = index[m.cp]
         else:
-            attention[i] = model._net_attention(p / m.cp).sum()
-            sequences[i] = len(p)
-    cp = np.array([m.cp for m in ms], dtype=np.float64)
-    index = {c: j for j, c in enumerate(sizes)}
+            cols["steps"][i] = m.cp
+            cols["attention"][i] = model._net_attention(p / m.cp).sum()
+            cols["sequences"][i] = len(p)
+            if m.cp > 1:
+                link[i] = index[m.cp]
     return _Features(
-        cp=cp,
-        link=np.array([index.get(m.cp, -1) for m in ms], dtype=np.int64),
-        tokens=tokens,
-        attention=attention,
-        sequences=sequences,
+        **cols,
+        link=link,
+        split=split,
         measured=np.array([m.seconds for m in ms], dtype=np.float64),
         regime=regimes,
         weight=np.where(regimes == 0, 1.0, OLD_REGIME_WEIGHT),
+        n_sizes=len(sizes),
     )
 
 
-def _coefficients(model: CostModel, sizes: Sequence[int]) -> np.ndarray:
-    """The profile's values of ``PARAMS`` followed by (latency, 1/bandwidth) per group size."""
+def _coefficients(model: CostModel, sizes: Sequence[int], heads: Sequence[int] = ()) -> np.ndarray:
+    """The profile's values of ``PARAMS``, then (latency, 1/bandwidth) per ring group size, then
+    (exchange latency, 1/exchange bandwidth, attention scale) per head-split size u."""
     links = []
     for c in sizes:
         latency, bandwidth = model.link(c)
         links += [latency, 1.0 / bandwidth]
+    for u in heads:
+        latency, bandwidth = model.all_to_all_link(u)
+        links += [latency, 1.0 / bandwidth, model.head_scale(u)]
     return np.array(
         [model.lin, 1.0, model.per_sequence, model.k, model.microbatch_overhead, *links]
     )
 
 
 def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -> np.ndarray:
-    """CostModel._seconds written in the coefficients ``theta`` (same formula, vectorised)."""
+    """CostModel's micro-batch seconds written in the coefficients ``theta`` (same formulas,
+    vectorised; the parameter layout is ``_coefficients``')."""
     lin, att, seq, k, mb = theta[:5]
-    lat_all, ibw_all = theta[5::2], theta[6::2]
-    layers = model.layers
-    step = att * f.attention + seq * f.sequences + k
+    rest = theta[5:]
+    n_sizes = f.n_sizes
+    lat_all, ibw_all = rest[: 2 * n_sizes : 2], rest[1 : 2 * n_sizes : 2]
+    heads = rest[2 * n_sizes :]
+    a2a_lat, a2a_ibw, scale_all = heads[0::3], heads[1::3], heads[2::3]
+    split = f.split >= 0
+    h = np.where(split, f.split, 0)
+    scale = np.where(split, scale_all[h] if len(scale_all) else 1.0, 1.0)
+    step = scale * (att * f.attention + seq * f.sequences) + k
     total = lin * f.tokens + mb
     ring = f.link >= 0
     j = np.where(ring, f.link, 0)
     lat = np.where(ring, lat_all[j] if len(lat_all) else 0.0, 0.0)
-    block = np.where(ring, model.kvb * f.tokens * (ibw_all[j] if len(ibw_all) else 0.0), 0.0)
-    c = f.cp
+    block = np.where(
+        ring, model.kvb * f.block * f.tokens * (ibw_all[j] if len(ibw_all) else 0.0), 0.0
+    )
+    exchange = np.where(
+        split,
+        4.0 * (a2a_lat[h] if len(a2a_lat) else 0.0)
+        + f.exchange * (a2a_ibw[h] if len(a2a_ibw) else 0.0),
+        0.0,
+    )
+    c = f.steps
     if model.all_to_all:
         layer = step + lat + block
     else:
@@ -176,10 +225,12 @@ def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -
         else:
             layer = c * step + (c - 1) * (comm_f + comm_b) + home
     layer = np.where(ring, layer, step)
-    return total + layers * layer
+    return total + model.layers * (layer + exchange)
 
 
-def _scales(f: _Features, model: CostModel, sizes: list[int]) -> np.ndarray:
+def _scales(
+    f: _Features, model: CostModel, sizes: list[int], heads: Sequence[int] = ()
+) -> np.ndarray:
     """Natural magnitude of each coefficient: the value at which its term alone would explain
     the median measurement.
 
@@ -188,21 +239,27 @@ def _scales(f: _Features, model: CostModel, sizes: list[int]) -> np.ndarray:
     current value would freeze a tiny one: every step it may take is tiny too).
     """
     med = float(np.median(f.measured))
-    L, c = model.layers, f.cp
-    steps = np.where(f.link >= 0, c, 1.0) if not model.all_to_all else np.ones_like(c)
+    L = model.layers
     usage = [
         float(np.median(f.tokens)),
         1.0,
-        float(np.median(L * steps * f.sequences)),
-        float(np.median(L * steps)),
+        float(np.median(L * f.steps * f.sequences)),
+        float(np.median(L * f.steps)),
         1.0,
     ]
     for j, size in enumerate(sizes):
         sel = f.link == j
         hops = L * (2 * size - 1) if not model.all_to_all else L
-        usage += [hops, hops * model.kvb * (float(np.median(f.tokens[sel])) if sel.any() else 1.0)]
+        tokens = float(np.median(f.tokens[sel] * f.block[sel])) if sel.any() else 1.0
+        usage += [hops, hops * model.kvb * tokens]
+    relative = []
+    for j, _ in enumerate(heads):
+        sel = f.split == j
+        usage += [4.0 * L, L * (float(np.median(f.exchange[sel])) if sel.any() else 1.0), 1.0]
+        relative.append(len(usage) - 1)
     out = np.array([med / max(u, 1e-300) for u in usage])
     out[1] = 1.0  # the attention scale is already relative
+    out[relative] = 1.0  # and so are the head-split scales
     return out
 
 
@@ -247,7 +304,9 @@ class CalibrationResult:
 
 def prediction_errors(model: CostModel, ms: Sequence[Measurement]) -> np.ndarray:
     """Relative errors ``predicted / measured - 1`` of ``model`` on ``ms``."""
-    return np.array([model.microbatch_seconds(m.cp, m.lengths) / m.seconds - 1.0 for m in ms])
+    return np.array(
+        [model.microbatch_seconds(m.cp, m.lengths, heads=m.heads) / m.seconds - 1.0 for m in ms]
+    )
 
 
 def holdout_error(
@@ -268,7 +327,10 @@ def holdout_error(
     """
     seconds = np.array([m.seconds for m in ms])
     r = [
-        np.log(np.array([model.microbatch_seconds(m.cp, m.lengths) for m in ms]) / seconds)
+        np.log(
+            np.array([model.microbatch_seconds(m.cp, m.lengths, heads=m.heads) for m in ms])
+            / seconds
+        )
         for model in (before, after)
     ]
     keep = np.ones(len(ms), dtype=bool)
@@ -321,7 +383,10 @@ def _solve(
 
     lower = np.zeros(n_coef)
     lower[1] = 1e-6  # the attention table must stay positive
-    lower[6::2] = 1.0 / MAX_BANDWIDTH / scale[6::2]  # bandwidths stay finite
+    n = f.n_sizes
+    inverse = [6 + 2 * j for j in range(n)] + list(range(5 + 2 * n + 1, n_coef, 3))
+    lower[inverse] = 1.0 / MAX_BANDWIDTH / scale[inverse]  # bandwidths stay finite
+    lower[5 + 2 * n + 2 :: 3] = 1e-3  # head-split attention scales stay positive
     x0 = np.clip(start[:n_coef] / scale, lower, None)
     x0 = np.where(x0 <= lower, lower * 1.000001 + 1e-12, x0)
     sol = least_squares(
@@ -399,21 +464,22 @@ def fit_profile(
             f"{current} micro-batch measurements of the current regime; calibration needs at "
             f"least {min_measurements}"
         )
-    if any(m.heads != 1 for m in (*ms, *holdout)):
-        raise CalibrationError("fit_profile prices ring micro-batches (heads = 1) only")
     # Renumber the older regimes present 1..k so that every free level has data.
     present = sorted(set(reg.tolist()) - {0})
     reg = np.array([0 if r == 0 else present.index(r) + 1 for r in reg.tolist()], np.int64)
     model = CostModel(profile, ranks_per_node)
-    sizes = sorted({m.cp for m in ms if m.cp > 1})
-    for c in sizes:
-        try:
+    sizes = sorted({m.cp for m in ms if m.cp > 1 and m.cp > m.heads})
+    heads = sorted({m.heads for m in ms if m.heads > 1})
+    try:
+        for c in sizes:
             model.link(c)
-        except ValueError as exc:
-            raise CalibrationError(f"a measurement the profile cannot price: {exc}") from None
-    f = _features(model, ms, sizes, reg)
-    theta0 = _coefficients(model, sizes)
-    scale = _scales(f, model, sizes)
+        for cp, u in sorted({(m.cp, m.heads) for m in (*ms, *holdout) if m.heads > 1}):
+            model.head_split(cp, u)
+    except ValueError as exc:
+        raise CalibrationError(f"a measurement the profile cannot price: {exc}") from None
+    f = _features(model, ms, sizes, reg, heads)
+    theta0 = _coefficients(model, sizes, heads)
+    scale = _scales(f, model, sizes, heads)
     # Each older regime starts at its median log ratio to the profile (its level then moves).
     levels0 = np.zeros(len(present))
     for k in range(1, len(present) + 1):
@@ -463,7 +529,7 @@ def fit_profile(
         # trimming drops stragglers.
         gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
         wave = float(trim_mean(gaps, 0.1))
-    new = _apply(profile, theta, wave, sizes, model, overlap)
+    new = _apply(profile, theta, wave, sizes, model, overlap, heads)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k, g in zip(ms, keep, reg) if k and g == 0]
     before = float(np.mean(np.abs(prediction_errors(model, inliers)))) if inliers else 0.0
@@ -478,8 +544,9 @@ def fit_profile(
     )
     return CalibrationResult(
         profile=new,
-        coefficients_before=_named(theta0, sizes) | {"wave": profile.overheads.wave_seconds},
-        coefficients_after=_named(theta, sizes) | {"wave": wave},
+        coefficients_before=_named(theta0, sizes, heads)
+        | {"wave": profile.overheads.wave_seconds},
+        coefficients_after=_named(theta, sizes, heads) | {"wave": wave},
         error_before=before,
         error_after=after,
         measurements=len(ms),
@@ -492,11 +559,18 @@ def fit_profile(
     )
 
 
-def _named(theta: np.ndarray, sizes: Sequence[int]) -> dict[str, float]:
+def _named(
+    theta: np.ndarray, sizes: Sequence[int], heads: Sequence[int] = ()
+) -> dict[str, float]:
     out = dict(zip(PARAMS, theta[:5].tolist()))
     for j, c in enumerate(sizes):
         out[f"latency_{c}"] = float(theta[5 + 2 * j])
         out[f"inverse_bandwidth_{c}"] = float(theta[6 + 2 * j])
+    base = 5 + 2 * len(sizes)
+    for j, u in enumerate(heads):
+        out[f"exchange_latency_{u}"] = float(theta[base + 3 * j])
+        out[f"exchange_inverse_bandwidth_{u}"] = float(theta[base + 3 * j + 1])
+        out[f"head_scale_{u}"] = float(theta[base + 3 * j + 2])
     return out
 
 
@@ -512,12 +586,15 @@ def _apply(
     sizes: Sequence[int],
     model: CostModel,
     overlap: bool | None = None,
+    heads: Sequence[int] = (),
 ) -> Profile:
     """A copy of ``profile`` with the fitted coefficients written into its fields.
 
     Fitted links go to ``communication.links`` by group size; sizes not measured keep the link
     the profile gave them at this node size (``model.link``), so a calibrated profile lists a
     link for every power of two up to ``LINK_SIZES_UP_TO`` and is specific to that node size.
+    Fitted head splits go to ``communication.all_to_all_links`` (the same way: every power of
+    two listed, unmeasured sizes at ``model.all_to_all_link``) and ``attention.head_scales``.
     """
     lin, att, seq, k, mb = (float(v) for v in theta[:5])
     data = profile.model_dump(mode="json")
@@ -549,6 +626,35 @@ def _apply(
                 }
             )
         data["communication"]["links"] = links
+    base = 5 + 2 * len(sizes)
+    exchanges = {
+        u: (float(theta[base + 3 * j]), float(theta[base + 3 * j + 1]))
+        for j, u in enumerate(heads)
+    }
+    if exchanges:
+        listed = {link["group_size"] for link in data["communication"]["all_to_all_links"]}
+        powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
+        table = []
+        for u in sorted(listed | powers | set(exchanges)):
+            if u in exchanges:
+                latency, inverse = exchanges[u]
+                bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
+            else:
+                try:
+                    latency, bandwidth = model.all_to_all_link(u)
+                except ValueError:  # a size the profile never priced stays unpriced
+                    continue
+            table.append(
+                {
+                    "group_size": u,
+                    "latency_seconds": latency,
+                    "bandwidth_bytes_per_second": bandwidth,
+                }
+            )
+        data["communication"]["all_to_all_links"] = table
+        scales = {h["heads"]: h["scale"] for h in a.get("head_scales", [])}
+        scales |= {u: float(theta[base + 3 * j + 2]) for j, u in enumerate(heads)}
+        a["head_scales"] = [{"heads": u, "scale": s} for u, s in sorted(scales.items())]
     if overlap is not None:
         data["communication"]["overlap"] = overlap
     data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
