@@ -14,6 +14,11 @@ float32), forward and backward, kernel "auto". A micro-batch's time is its slowe
 Printed per pack: measured seconds of each layout, their ratio (ring / all-to-all), and the cost
 model's prediction of each (``CostModel.microbatch_seconds(2, lengths, heads=u)``) with its
 ratio, when this checkout's cost model prices head splits.
+
+``--calibrate N`` also runs N other packs (Wikipedia lengths, seeded, never the printed ones) in
+both layouts, refits the profile to those measurements (``fit_profile``: every repeat one
+measurement, the split ones with ``heads=2``) and prints the calibrated model's predictions of
+the printed packs next to the shipped profile's: calibration judged on packs it never saw.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import os
 import statistics
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.cost_model import CostModel, load_profile
+from dyncp.cost_model import CostModel, Profile, load_profile
+from dyncp.cost_model.calibrate import Measurement, fit_profile
+from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.runtime import GroupPool, execute
 from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
@@ -77,12 +85,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[in
                 model.zero_grad(set_to_none=True)
                 if r >= args.warmup:
                     times[name].append(float(slowest.item()))
-        rows.append({name: statistics.median(t) for name, t in times.items()})
+        rows.append(times)
     return rows
 
 
-def _predictions(args: argparse.Namespace, packs: list[list[int]]) -> list[dict] | str:
-    model = CostModel.load(args.profile, ranks_per_node=WORLD)
+def _predictions(
+    args: argparse.Namespace, packs: list[list[int]], profile: Profile | None = None
+) -> list[dict] | str:
+    model = CostModel(profile or load_profile(args.profile), ranks_per_node=WORLD)
     try:
         return [
             {name: model.microbatch_seconds(WORLD, lengths, heads=u) for name, u in LAYOUTS.items()}
@@ -90,6 +100,23 @@ def _predictions(args: argparse.Namespace, packs: list[list[int]]) -> list[dict]
         ]
     except (TypeError, ValueError) as exc:  # a cost model without head splits
         return f"no prediction: {exc}"
+
+
+def calibration_packs(n: int, seed: int = 1, tokens: int = 4096) -> list[list[int]]:
+    """``n`` packs of Wikipedia lengths (clipped at ``tokens``), up to ``tokens`` tokens each."""
+    rng = np.random.default_rng(seed)
+    pool = np.minimum(load_lengths(resolve_dataset("wikipedia")), tokens)
+    packs = []
+    for _ in range(n):
+        budget = int(rng.integers(tokens // 8, tokens + 1))
+        pack: list[int] = []
+        while True:
+            s = int(rng.choice(pool))
+            if pack and sum(pack) + s > budget:
+                break
+            pack.append(s)
+        packs.append(pack)
+    return packs
 
 
 def _pack(text: str) -> list[int]:
@@ -108,10 +135,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--calibrate", type=int, default=0, help="calibration packs (0: none)")
     args = p.parse_args(argv)
-    results = run_gloo(_worker, world=WORLD, args=(args, args.packs), timeout=args.timeout)
-    measured = results[0]
+    extra = calibration_packs(args.calibrate) if args.calibrate else []
+    results = run_gloo(
+        _worker, world=WORLD, args=(args, args.packs + extra), timeout=args.timeout
+    )
+    times = results[0]
+    measured = [{name: statistics.median(t) for name, t in row.items()} for row in times]
     predicted = _predictions(args, args.packs)
+    calibrated = None
+    if extra:
+        ms = [
+            Measurement(WORLD, tuple(lengths), t, heads=LAYOUTS[name])
+            for lengths, row in zip(extra, times[len(args.packs):])
+            for name, ts in row.items()
+            for t in ts
+        ]
+        fit = fit_profile(load_profile(args.profile), ms, ranks_per_node=WORLD)
+        calibrated = _predictions(args, args.packs, fit.profile)
+        print(
+            f"calibrated on {len(ms)} measurements of {len(extra)} other packs: mean |error| "
+            f"{fit.error_before:.1%} -> {fit.error_after:.1%} on them, {fit.outliers} outliers; "
+            + ", ".join(f"{k} {v:.4g}" for k, v in fit.coefficients_after.items())
+        )
     cores = os.cpu_count() or 1
     print(
         f"hybrid bench: {WORLD} gloo processes x 1 thread ({cores} cores), tiny decoder of "
@@ -121,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     head = f"{'pack':<28}{'a2a2 s':>10}{'ring2 s':>10}{'ring/a2a':>10}"
     if not isinstance(predicted, str):
         head += f"{'pred a2a2':>11}{'pred ring2':>11}{'pred r/a':>10}"
+    if calibrated is not None and not isinstance(calibrated, str):
+        head += f"{'cal a2a2':>10}{'cal ring2':>10}{'cal r/a':>9}"
     print(head)
     for i, lengths in enumerate(args.packs):
         m = measured[i]
@@ -130,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(predicted, str):
             pr = predicted[i]
             line += f"{pr['a2a2']:>11.4f}{pr['ring2']:>11.4f}{pr['ring2'] / pr['a2a2']:>10.3f}"
+        if calibrated is not None and not isinstance(calibrated, str):
+            c = calibrated[i]
+            line += f"{c['a2a2']:>10.4f}{c['ring2']:>10.4f}{c['ring2'] / c['a2a2']:>9.3f}"
         print(line)
     if isinstance(predicted, str):
         print(predicted)

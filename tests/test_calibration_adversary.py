@@ -257,3 +257,31 @@ def test_head_splits_are_calibrated_exchange_and_per_head_scale():
             truth.microbatch_seconds(4, wide, heads=2), rel=0.03
         )
     assert worst_before > 0.10 and worst_after < 0.03, (worst_before, worst_after)
+
+
+def test_the_plan_service_side_survives_a_failing_refit_and_hostile_records(monkeypatch):
+    """ServiceCalibration.poll (what PlanService.run calls between plans) never raises on what
+    was measured: a refit that raises and a record beyond every link are contained, counted and
+    exported."""
+    import torch.distributed as dist
+
+    from dyncp.model_channel import MeasurementChannel, ServiceCalibration
+    from dyncp.plan_auth import PlanSigner
+
+    store = dist.HashStore()
+    signer = PlanSigner(b"k" * 32)
+    cal, truth, rng = _calibrated()
+    metrics = Metrics()
+    service = ServiceCalibration(store, "job", cal, metrics=metrics, interval=0.0, signer=signer)
+    pusher = MeasurementChannel(store, "job", signer=signer)
+    monkeypatch.setattr(
+        "dyncp.calibration.fit_profile", lambda *a, **k: (_ for _ in ()).throw(MemoryError())
+    )
+    pusher.push(0, cb.measure_step(rng, GLOO, truth))
+    pusher.push(1, [Measurement(131072, (100,), 0.5), Measurement(2, (100,), 0.01)])
+    planner = object()
+    assert service.poll(planner).inner is planner  # no new version, no exception
+    assert cal.failures >= 1 and cal.refused >= 1
+    text = metrics.exposition().decode()
+    assert 'dyncp_cost_model_refits_total{outcome="failed"}' in text
+    assert 'dyncp_cost_model_calibration_refused_total{reason="entry"} 1.0' in text
