@@ -73,7 +73,7 @@ MAX_CP, MAX_LENGTH, MAX_SECONDS = 1 << 20, 1 << 31, 1e6
 MAX_RATIO = 1e3
 #: Change detection: the newest steps compared, the smallest shift (log) acted upon, and the
 #: standard errors it must exceed.
-CHANGE_WINDOW, CHANGE_MIN, CHANGE_Z = 2, math.log(1.05), 4.0
+CHANGE_WINDOWS, CHANGE_MIN, CHANGE_Z = (2, 4), math.log(1.05), 4.0
 #: Fewest held-out measurements a candidate is judged on.
 MIN_HOLDOUT = 4
 
@@ -366,7 +366,7 @@ class OnlineCalibrator:
         self.buffer.add(admitted, step=self.steps)
         self.buffer.add(wave_list)
         self._since_fit += 1
-        changed = False
+        changed = 0
         if self.detect_changes and admitted:
             try:
                 changed = self._changed()
@@ -375,7 +375,7 @@ class OnlineCalibrator:
                 self.failures += 1
         if changed:
             self.changes += 1
-            self.buffer.mark_change(self.steps - CHANGE_WINDOW + 1)
+            self.buffer.mark_change(self.steps - changed + 1)
         if not changed and self._since_fit < self.refit_every:
             return None
         return self.refit()
@@ -405,39 +405,44 @@ class OnlineCalibrator:
             ]
         )
 
-    def _changed(self) -> bool:
-        """Whether the last ``CHANGE_WINDOW`` steps moved away from the older measurements of
-        the current regime, under the current model, by more than noise explains.
+    def _changed(self) -> int:
+        """How many of the newest steps moved away from the older measurements of the current
+        regime, under the current model, by more than noise explains (0: none did).
 
+        Windows of ``CHANGE_WINDOWS`` steps are tried, shortest first (a short one reacts
+        fast to a large change, a longer one sees a smaller change through heavy noise).
         Each recent residual is compared with the median residual of the older measurements of
         its own (CP size, heads): a run that starts using a CP size the model prices badly is
         not a change of the machine. The shift is the median of those differences; it must
         exceed both ``CHANGE_MIN`` (5%: smaller drifts are left to the regular refits) and
         ``CHANGE_Z`` standard errors of a median (1.2533 x 1.4826 x MAD / sqrt(n)), so noise
-        alone triggers it about once in 30,000 steps.
+        alone triggers it about once in 10,000 steps.
         """
-        first = self.steps - CHANGE_WINDOW + 1
         entries = [e for e in self.buffer.entries() if self.buffer.regime(e) == 0]
-        recent = [e for e in entries if e.step >= first]
-        older = [e for e in entries if e.step < first]
-        if len(recent) < 8 or len(older) < 16:
-            return False
-        r_old = self._residuals(older)
-        r_new = self._residuals(recent)
-        keys_old = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in older])
-        keys_new = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in recent])
-        diffs: list[float] = []
-        for key in sorted(set(keys_old.tolist())):
-            ref = r_old[keys_old == key]
-            if len(ref) >= 4:
-                diffs += (r_new[keys_new == key] - np.median(ref)).tolist()
-        if len(diffs) < 8:
-            return False
-        med_old = float(np.median(r_old))
-        spread = 1.4826 * float(np.median(np.abs(r_old - med_old)))
-        error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(older))
-        shift = abs(float(np.median(diffs)))
-        return shift > CHANGE_MIN and shift > CHANGE_Z * error
+        if not entries:
+            return 0
+        residuals = self._residuals(entries)
+        keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
+        steps = np.array([e.step for e in entries])
+        for window in CHANGE_WINDOWS:
+            new = steps > self.steps - window
+            old = ~new
+            if new.sum() < 8 or old.sum() < 16:
+                continue
+            r_old, k_old = residuals[old], keys[old]
+            diffs: list[float] = []
+            for key in sorted(set(k_old.tolist())):
+                ref = r_old[k_old == key]
+                if len(ref) >= 4:
+                    diffs += (residuals[new & (keys == key)] - np.median(ref)).tolist()
+            if len(diffs) < 8:
+                continue
+            spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))
+            error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
+            shift = abs(float(np.median(diffs)))
+            if shift > CHANGE_MIN and shift > CHANGE_Z * error:
+                return window
+        return 0
 
     def refit(self) -> ModelVersion | None:
         """Fit now on what the buffer holds; the new version if adopted.
