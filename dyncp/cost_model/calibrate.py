@@ -5,39 +5,53 @@ runs. :func:`fit_profile` turns those measurements into a new :class:`Profile` w
 match them, keeping the profile's *form* (attention table shape, padding, communication kind) and
 refitting its *coefficients*:
 
-=========================  ===============================================================
-``lin``                    ``linear_seconds_per_token``
-``att``                    scale of the attention table (or of ``alpha``/``beta``)
-``seq``                    ``attention.sequence_overhead_seconds`` (per sequence per step)
-``step``                   ``attention.step_overhead_seconds`` (per ring step)
-``mb``                     ``overheads.microbatch_seconds``
-``latency_c``              one transfer's latency in a group of c ranks, per measured c
-``inverse_bandwidth_c``    1 / its bandwidth (``communication.links``, by group size)
-``wave``                   ``overheads.wave_seconds`` (trimmed mean over the wave timings)
-=========================  ===============================================================
+=============================  ===========================================================
+``lin``                        ``linear_seconds_per_token``
+``att``                        scale of the attention table (or of ``alpha``/``beta``)
+``seq``                        ``attention.sequence_overhead_seconds`` (per sequence per step)
+``step``                       ``attention.step_overhead_seconds`` (per ring step)
+``mb``                         ``overheads.microbatch_seconds``
+``latency_c``                  one transfer's latency in a group of c ranks, per measured c
+``inverse_bandwidth_c``        1 / its bandwidth (``communication.links``, by group size)
+``exchange_latency_u``         a head split's all-to-all over u ranks, per measured u
+``exchange_inverse_bandwidth_u``  1 / its bandwidth (``communication.all_to_all_links``)
+``head_scale_u``               attention of 1/u of the heads costs this x A / u
+                               (``attention.head_scales``: measured, not assumed 1)
+``wave``                       ``overheads.wave_seconds`` (trimmed mean over the wave timings)
+=============================  ===========================================================
 
 The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
-the measurements (features precomputed once), so a fit of a few hundred measurements takes
-milliseconds and predicts exactly what ``CostModel(fit.profile)`` predicts.
+the measurements (features precomputed once), rings and head splits (``Measurement.heads``)
+alike, so a fit of a few hundred measurements takes a tenth of a second and predicts exactly
+what ``CostModel(fit.profile)`` predicts. Layer-mix profiles are not fitted (their window and SSM
+terms are not written in these coefficients).
 
-Why it cannot be dragged far by bad measurements:
+Why it is unbiased and cannot be dragged far by bad measurements:
 
-- residuals are relative (``predicted / measured - 1``): a long micro-batch weighs no more than a
-  short one;
-- pass 1 minimises a Cauchy loss (``scipy.optimize.least_squares``, ``f_scale`` 5%): a residual of
-  100% (a garbage-collection pause, a straggler) pulls on the fit ~400x less than under squares
-  (influence ``r / (1 + (r / 0.05)^2)`` against ``r``);
-- then measurements further than ``max(3 x 1.4826 x MAD, 5%)`` from the median residual are
-  dropped as outliers and pass 2 refits the rest with a soft-L1 loss, from pass 1's solution;
+- residuals are ``log(predicted / measured)``: run times carry multiplicative noise (a pause
+  scales a run), under which a relative residual ``predicted / measured - 1`` is biased (its
+  mean is not zero at the true model) and the log residual is not; a long micro-batch weighs no
+  more than a short one;
+- pass 1 is a median fit (soft-L1 loss with ``f_scale`` 5%: almost L1), robust to any share of
+  stragglers below one half;
+- passes 2 and 3 drop measurements further than 3 robust spreads (1.4826 x MAD, at least 5%)
+  from the median residual and refit the rest with a Cauchy loss at that spread, so a
+  straggler just inside the cut pulls little;
+- the solver works in each coefficient's natural magnitude (the value at which its term alone
+  explains the median measurement), never in the profile's value: a coefficient profiled at 0
+  or at 1e-17 s moves as freely as any other;
 - every coefficient has a weak prior row pulling it to the profile's value, so a coefficient the
   measurements say nothing about (no CP-4 micro-batch seen yet: no intra-node ring latency to
   learn) keeps its profiled value instead of wandering;
-- coefficients are bounded at >= 0 and every result is checked finite before a Profile is built.
+- coefficients are bounded at >= 0 (bandwidths finite) and every result is checked finite
+  before a Profile is built;
+- measurements from before a detected change of the machine (``regimes`` > 0) keep informing
+  the shape of the model, with a free level of their own and half the weight.
 
 One assumption of the form is settled by the data too: whether a ring step's transfer overlaps
 its compute (``communication.overlap``). Where rings were measured, both rules are fitted and the
-one with the smaller median error is kept (a CPU ring on gloo, where transfers take the same cores
-as compute, need not overlap as a GPU ring does).
+one with the smaller median |log error| is kept (a CPU ring on gloo, where transfers take the
+same cores as compute, need not overlap as a GPU ring does).
 
 The fit is deterministic: same profile, same measurements in the same order, same result.
 """

@@ -36,6 +36,9 @@ the output goes back the same way::
                  kv_bytes_per_token * (held / kv) * sum(p_i) / r          ring's hops span c
     a2a comm     layers * (4 latency + 2 b sum(p_i) / (c bandwidth))      never overlapped
 
+The attention of 1/u of the heads is A / u times ``head_scale(u)``: 1 (the plain assumption)
+unless calibration measured it (``attention.head_scales``).
+
 ``held = max(kv, u) / u`` KV heads per rank (kv < u: replicated); ``b = (2 query heads +
 2 max(kv, u)) x head_dim x dtype_bytes`` is a token's q, k, v and output (forward; the backward
 moves their gradients, as many bytes) and (latency, bandwidth) is ``all_to_all_link(u)``: four
