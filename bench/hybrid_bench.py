@@ -16,9 +16,11 @@ model's prediction of each (``CostModel.microbatch_seconds(2, lengths, heads=u)`
 ratio, when this checkout's cost model prices head splits.
 
 ``--calibrate N`` also runs N other packs (Wikipedia lengths, seeded, never the printed ones) in
-both layouts, refits the profile to those measurements (``fit_profile``: every repeat one
-measurement, the split ones with ``heads=2``) and prints the calibrated model's predictions of
-the printed packs next to the shipped profile's: calibration judged on packs it never saw.
+both layouts and as two CP-1 micro-batches (sequences dealt alternately to the two ranks: what
+tells per-token work from attention), refits the profile to those measurements (``fit_profile``:
+every repeat one measurement, the split ones with ``heads=2``) and prints the calibrated model's
+predictions of the printed packs next to the shipped profile's: calibration judged on packs it
+never saw.
 """
 
 from __future__ import annotations
@@ -53,7 +55,27 @@ def _plan(lengths: list[int], heads: int, cfg: TinyConfig) -> StepPlan:
     return StepPlan(topo, tuple(lengths), (Wave((group,)),), policy=f"heads{heads}")
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[int]]) -> list:
+def halves(lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sequence ids of a pack dealt alternately to the two ranks (CP 1 each)."""
+    ids = tuple(range(len(lengths)))
+    return ids[0::2], ids[1::2]
+
+
+def _cp1_plan(lengths: list[int], cfg: TinyConfig) -> StepPlan:
+    capacity = sum(lengths) + 4 * len(lengths)
+    topo = Topology(
+        WORLD, WORLD, capacity, head_sizes=(1, 2), query_heads=cfg.heads, kv_heads=cfg.kv_heads
+    )
+    groups = tuple(Group(r, 1, (MicroBatch(ids),)) for r, ids in enumerate(halves(lengths)))
+    return StepPlan(topo, tuple(lengths), (Wave(groups),), policy="cp1")
+
+
+def _worker(
+    rank: int, world: int, args: argparse.Namespace, packs: list[list[int]], with_cp1: int = 0
+) -> list:
+    """Per pack, the slowest rank's seconds of each layout per repeat; packs from index
+    ``with_cp1`` on (the calibration packs) also run as two CP-1 micro-batches ("cp1": each
+    rank's own seconds, [rank 0, rank 1] per repeat)."""
     pool = GroupPool(head_sizes=(1, 2))
     shape = load_profile(args.profile).model
     cfg = TinyConfig(
@@ -72,19 +94,28 @@ def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[in
             microbatch_loss(model, ctx, packed, kernel="auto").backward()
 
         plans = {name: _plan(lengths, u, cfg) for name, u in LAYOUTS.items()}
-        times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        if p >= with_cp1 and len(lengths) > 1:
+            plans["cp1"] = _cp1_plan(lengths, cfg)
+        times: dict[str, list] = {name: [] for name in plans}
         for r in range(args.warmup + args.repeats):
-            order = list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]
+            order = list(plans) if r % 2 == 0 else list(plans)[::-1]
             for name in order:
                 pool.barrier()
                 report = execute(plans[name], pool, step_fn)
                 (timing,) = report.timings
-                assert timing.heads == LAYOUTS[name]
-                slowest = torch.tensor([timing.seconds], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if name == "cp1":  # each rank's own micro-batch
+                    both = torch.zeros(WORLD, dtype=torch.float64)
+                    both[rank] = timing.seconds
+                    dist.all_reduce(both)
+                    value: object = both.tolist()
+                else:
+                    assert timing.heads == LAYOUTS[name]
+                    slowest = torch.tensor([timing.seconds], dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    value = float(slowest.item())
                 model.zero_grad(set_to_none=True)
                 if r >= args.warmup:
-                    times[name].append(float(slowest.item()))
+                    times[name].append(value)
         rows.append(times)
     return rows
 
@@ -139,19 +170,25 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     extra = calibration_packs(args.calibrate) if args.calibrate else []
     results = run_gloo(
-        _worker, world=WORLD, args=(args, args.packs + extra), timeout=args.timeout
+        _worker, world=WORLD, args=(args, args.packs + extra, len(args.packs)),
+        timeout=args.timeout,
     )
     times = results[0]
-    measured = [{name: statistics.median(t) for name, t in row.items()} for row in times]
+    measured = [
+        {name: statistics.median(row[name]) for name in LAYOUTS} for row in times[: len(args.packs)]
+    ]
     predicted = _predictions(args, args.packs)
     calibrated = None
     if extra:
-        ms = [
-            Measurement(WORLD, tuple(lengths), t, heads=LAYOUTS[name])
-            for lengths, row in zip(extra, times[len(args.packs):])
-            for name, ts in row.items()
-            for t in ts
-        ]
+        ms = []
+        for lengths, row in zip(extra, times[len(args.packs) :]):
+            for name, ts in row.items():
+                if name == "cp1":
+                    for pair in ts:
+                        for ids, t in zip(halves(lengths), pair):
+                            ms.append(Measurement(1, tuple(lengths[i] for i in ids), t))
+                else:
+                    ms += [Measurement(WORLD, tuple(lengths), t, heads=LAYOUTS[name]) for t in ts]
         fit = fit_profile(load_profile(args.profile), ms, ranks_per_node=WORLD)
         calibrated = _predictions(args, args.packs, fit.profile)
         print(
