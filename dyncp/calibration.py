@@ -327,6 +327,8 @@ class OnlineCalibrator:
         self.steps = 0
         self._since_fit = 0
         self._fitted_step = 0  # the step of the last refit that ran to the end
+        self._cache: dict[int, float] = {}  # log residual by arrival number, current version
+        self._cache_version = 0
 
     @property
     def last(self) -> CalibrationResult | None:
@@ -392,18 +394,22 @@ class OnlineCalibrator:
         return self.observe(record.microbatches, record.waves)
 
     def _residuals(self, entries: Sequence[BufferedMeasurement]) -> np.ndarray:
-        """log(predicted / measured) of the current model on ``entries``."""
-        return np.array(
-            [
-                math.log(
-                    self._model.microbatch_seconds(
-                        e.measurement.cp, e.measurement.lengths, heads=e.measurement.heads
-                    )
-                    / e.measurement.seconds
-                )
-                for e in entries
-            ]
-        )
+        """log(predicted / measured) of the current model on ``entries`` (each entry priced
+        once per model version)."""
+        if self._cache_version != self.current.version:
+            self._cache, self._cache_version = {}, self.current.version
+        out = np.empty(len(entries))
+        for i, e in enumerate(entries):
+            r = self._cache.get(e.order)
+            if r is None:
+                m = e.measurement
+                predicted = self._model.microbatch_seconds(m.cp, m.lengths, heads=m.heads)
+                r = self._cache[e.order] = math.log(predicted / m.seconds)
+            out[i] = r
+        if len(self._cache) > 4 * max(len(self.buffer), 1):  # forget what the buffer forgot
+            held = {e.order for e in self.buffer.entries()}
+            self._cache = {k: v for k, v in self._cache.items() if k in held}
+        return out
 
     def _changed(self) -> int:
         """How many of the newest steps moved away from the older measurements of the current
