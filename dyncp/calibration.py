@@ -303,11 +303,6 @@ class OnlineCalibrator:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not (math.isfinite(min_gain) and min_gain >= 0):
             raise ValueError(f"min_gain must be a finite number >= 0, got {min_gain}")
-        if profile.layer_mix is not None:  # refused here, not silently at every refit
-            raise CalibrationError(
-                f"profile {profile.name!r} has a layer_mix section; online calibration refits "
-                "dense-transformer profiles only"
-            )
         self.ranks_per_node = ranks_per_node
         self.buffer = MeasurementBuffer() if buffer is None else buffer
         self.refit_every = refit_every

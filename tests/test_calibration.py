@@ -221,13 +221,11 @@ def test_bad_measurements_are_refused_with_a_reason():
         fit_profile(PROFILE, [Measurement(1, (3,), 1.0)], ranks_per_node=RPN)
 
 
-def test_layer_mix_profiles_are_refused_with_a_reason():
+def test_layer_mix_profiles_refuse_head_split_measurements_with_a_reason():
     mix = load_profile("h100-falcon-h1-7b-like")
-    ms = [Measurement(1, (100,), 1.0)] * 8
+    ms = [Measurement(2, (100,), 1.0, heads=2)] * 8
     with pytest.raises(CalibrationError, match="layer_mix"):
         fit_profile(mix, ms, ranks_per_node=8)
-    with pytest.raises(CalibrationError, match="layer_mix"):
-        OnlineCalibrator(mix, ranks_per_node=8)
 
 
 def test_buffer_is_bounded_per_cp_size():

@@ -23,8 +23,9 @@ refitting its *coefficients*:
 The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
 the measurements (features precomputed once), rings and head splits (``Measurement.heads``)
 alike, so a fit of a few hundred measurements takes a tenth of a second and predicts exactly
-what ``CostModel(fit.profile)`` predicts. Layer-mix profiles are not fitted (their window and SSM
-terms are not written in these coefficients).
+what ``CostModel(fit.profile)`` predicts. Layer-mix profiles (windows, SSM layers) are fitted
+with the exact model instead, plus ``ssm`` (``layer_mix.ssm_seconds_per_token``):
+``dyncp.cost_model.calibrate_mix``.
 
 Why it is unbiased and cannot be dragged far by bad measurements:
 
@@ -67,6 +68,12 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.stats import trim_mean
 
+from dyncp.cost_model.calibrate_mix import (
+    MixFeatures,
+    mix_coefficients,
+    mix_profile,
+    mix_scales,
+)
 from dyncp.cost_model.measurements import (
     CalibrationError,
     Measurement,
@@ -198,6 +205,8 @@ def _coefficients(model: CostModel, sizes: Sequence[int], heads: Sequence[int] =
 def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -> np.ndarray:
     """CostModel's micro-batch seconds written in the coefficients ``theta`` (same formulas,
     vectorised; the parameter layout is ``_coefficients``')."""
+    if isinstance(f, MixFeatures):  # a layer mix: the exact model prices it
+        return f.predict(theta, overlap)
     lin, att, seq, k, mb = theta[:5]
     rest = theta[5:]
     n_sizes = f.n_sizes
@@ -457,16 +466,17 @@ def fit_profile(
             (``CalibrationResult.holdout_*``).
 
     Raises:
-        CalibrationError: too few measurements of the current regime, a measurement the
-            profile cannot price (a group larger than any listed link, a head split), or a
-            layer-mix profile (not fitted yet).
+        CalibrationError: too few measurements of the current regime, or a measurement the
+            profile cannot price (a group larger than any listed link, a head split it does
+            not price; a layer mix prices no head split).
     """
-    if profile.layer_mix is not None:
-        raise CalibrationError(
-            f"profile {profile.name!r} has a layer_mix section (windowed or SSM layers); "
-            "fit_profile refits dense-transformer profiles only (their formula is the one fitted)"
-        )
+    is_mix = profile.layer_mix is not None
     ms = list(measurements)
+    if is_mix and any(m.heads != 1 for m in (*ms, *holdout)):
+        raise CalibrationError(
+            f"profile {profile.name!r} has a layer_mix: it prices heads = 1 only, so head-split "
+            "measurements cannot calibrate it"
+        )
     reg = np.zeros(len(ms), dtype=np.int64) if regimes is None else np.asarray(regimes, np.int64)
     if reg.shape != (len(ms),) or (reg < 0).any():
         raise CalibrationError(
@@ -491,9 +501,16 @@ def fit_profile(
             model.head_split(cp, u)
     except ValueError as exc:
         raise CalibrationError(f"a measurement the profile cannot price: {exc}") from None
-    f = _features(model, ms, sizes, reg, heads)
-    theta0 = _coefficients(model, sizes, heads)
-    scale = _scales(f, model, sizes, heads)
+    f: _Features | MixFeatures
+    if is_mix:
+        weight = np.where(reg == 0, 1.0, OLD_REGIME_WEIGHT)
+        f = MixFeatures(profile, ms, sizes, ranks_per_node, reg, weight)
+        theta0 = mix_coefficients(model, sizes)
+        scale = mix_scales(f, model)
+    else:
+        f = _features(model, ms, sizes, reg, heads)
+        theta0 = _coefficients(model, sizes, heads)
+        scale = _scales(f, model, sizes, heads)
     # Each older regime starts at its median log ratio to the profile (its level then moves).
     levels0 = np.zeros(len(present))
     for k in range(1, len(present) + 1):
@@ -532,7 +549,7 @@ def fit_profile(
     # |log error| over the current regime) is kept; a tie keeps the profile's.
     overlap = model.overlap
     theta, _, keep, score, spread = fit(overlap)
-    if sizes and not model.all_to_all:
+    if sizes and not model.all_to_all and not is_mix:  # a mix keeps its profiled rule
         other = fit(not overlap)
         if other[3] < score - 1e-9:
             overlap, (theta, _, keep, score, spread) = not overlap, other
@@ -543,7 +560,10 @@ def fit_profile(
         # trimming drops stragglers.
         gaps = np.array([max(w.seconds - w.busy_seconds, 0.0) for w in waves])
         wave = float(trim_mean(gaps, 0.1))
-    new = _apply(profile, theta, wave, sizes, model, overlap, heads)
+    if is_mix:
+        new = mix_profile(profile, theta, sizes, model, overlap, wave)
+    else:
+        new = _apply(profile, theta, wave, sizes, model, overlap, heads)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k, g in zip(ms, keep, reg) if k and g == 0]
     before = float(np.mean(np.abs(prediction_errors(model, inliers)))) if inliers else 0.0
@@ -558,9 +578,9 @@ def fit_profile(
     )
     return CalibrationResult(
         profile=new,
-        coefficients_before=_named(theta0, sizes, heads)
+        coefficients_before=_named(theta0, sizes, heads, is_mix)
         | {"wave": profile.overheads.wave_seconds},
-        coefficients_after=_named(theta, sizes, heads) | {"wave": wave},
+        coefficients_after=_named(theta, sizes, heads, is_mix) | {"wave": wave},
         error_before=before,
         error_after=after,
         measurements=len(ms),
@@ -574,9 +594,11 @@ def fit_profile(
 
 
 def _named(
-    theta: np.ndarray, sizes: Sequence[int], heads: Sequence[int] = ()
+    theta: np.ndarray, sizes: Sequence[int], heads: Sequence[int] = (), mix: bool = False
 ) -> dict[str, float]:
     out = dict(zip(PARAMS, theta[:5].tolist()))
+    if mix:
+        out["ssm"] = float(theta[-1])
     for j, c in enumerate(sizes):
         out[f"latency_{c}"] = float(theta[5 + 2 * j])
         out[f"inverse_bandwidth_{c}"] = float(theta[6 + 2 * j])
