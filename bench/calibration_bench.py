@@ -15,6 +15,8 @@ Figures, on 300 fresh micro-batches of the same distribution priced without nois
 ``error`` = mean |predicted / true - 1|, ``bias`` = mean (predicted / true - 1); the starting
 profile's in the same run is the baseline. ``drift`` multiplies every time by 1.4 at step 32 and
 reports the steps until the error is back under 5% (and stays there for the rest of the run).
+``mix`` is the noise scenario on layer-mix profiles (SSM and sliding-window layers; their
+``ssm_seconds_per_token`` perturbed too).
 
 The pieces (``perturbed_truth``, ``measure_step``, ``errors``) are used by
 ``tests/test_calibration_adversary.py``, which asserts the targets on fixed seeds.
@@ -32,6 +34,7 @@ import numpy as np
 from dyncp.calibration import OnlineCalibrator
 from dyncp.cost_model import CostModel, Profile, load_profile
 from dyncp.cost_model.calibrate import Measurement, _apply, _coefficients
+from dyncp.cost_model.calibrate_mix import mix_coefficients, mix_profile
 from dyncp.datasets import load_lengths, resolve_dataset
 
 
@@ -49,6 +52,11 @@ class Setting:
 SETTINGS = {
     "cpu-gloo": Setting("cpu-gloo", 4, (1, 2, 4), 1024, 2048),
     "h100-reference": Setting("h100-reference", 8, (1, 2, 4, 8), 8192, 32768),
+}
+#: Layer-mix profiles (SSM and sliding-window layers), calibrated with the exact model.
+MIXES = {
+    "h100-falcon-h1-7b-like": Setting("h100-falcon-h1-7b-like", 8, (1, 2, 4, 8), 8192, 32768),
+    "h100-gpt-oss-20b-like": Setting("h100-gpt-oss-20b-like", 8, (1, 2, 4, 8), 8192, 32768),
 }
 
 _POOL: dict[int, np.ndarray] = {}
@@ -82,10 +90,12 @@ def perturbed_truth(
     base = load_profile(s.profile)
     model = CostModel(base, s.ranks_per_node)
     rings = [c for c in s.sizes if c > 1]
-    theta = _coefficients(model, rings) * np.exp(
-        rng.uniform(math.log(low), math.log(high), 5 + 2 * len(rings))
-    )
+    mix = base.layer_mix is not None
+    theta = mix_coefficients(model, rings) if mix else _coefficients(model, rings)
+    theta = theta * np.exp(rng.uniform(math.log(low), math.log(high), len(theta)))
     wave = base.overheads.wave_seconds * math.exp(rng.uniform(math.log(low), math.log(high)))
+    if mix:  # and ssm_seconds_per_token
+        return mix_profile(base, theta, rings, model, wave=wave)
     return _apply(base, theta, wave, rings, model)
 
 
@@ -185,6 +195,13 @@ def main() -> None:
                       f"{strag:.0%}: {r['before_change']:5.1%} before the 1.4x change, back "
                       f"within 5% after {r['back_within_5pct_after_steps']} steps "
                       f"(final {r['final']:.1%}, {r['changes']} change points)", flush=True)
+    for name, s in MIXES.items():
+        for seed in range(args.seeds):
+            r = run_noise(s, seed, per_step=args.per_step)
+            rows.append({"scenario": "mix", "profile": name, "seed": seed, **r})
+            print(f"mix     {name:22s} seed {seed}: error {r['before'][0]:6.1%} -> "
+                  f"{r['after'][0]:5.1%}, bias {r['before'][1]:+6.1%} -> {r['after'][1]:+5.1%} "
+                  f"(v{r['version']})", flush=True)
     noise = [r for r in rows if r["scenario"] == "noise"]
     print(f"noise summary ({args.per_step} micro-batches a step, 20 steps): mean error "
           f"{np.mean([r['after'][0] for r in noise]):.1%} "
