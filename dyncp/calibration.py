@@ -30,7 +30,6 @@ Torch-free.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -449,8 +448,11 @@ class OnlineCalibrator:
         """Fit now on what the buffer holds; the new version if adopted.
 
         The candidate is fitted without every ``holdout_every``-th measurement of the current
-        regime and judged against the current model on those (never on what it was fitted
-        to); when it wins by ``min_gain``, the refit on all held measurements is adopted.
+        regime and judged against the current model on those. The held-out measurements are
+        the same ones for the whole run (chosen by arrival number), and no version is ever
+        fitted to them, so they are out of sample for the current model as well as for the
+        candidate (a model refitted on all measurements would be judged in-sample at the
+        next refit, and a biased one kept).
         Any failure is contained: counted in ``failures``, logged, and the measurements that
         arrived since the last refit that ran through are dropped (or the ones the current
         profile can no longer price, when there are such).
@@ -503,15 +505,6 @@ class OnlineCalibrator:
         # few percent under heavy noise, only a clearly wrong fit.
         adopted = held.change >= self.min_gain and held.gain >= -2.0 * held.gain_error
         result = candidate
-        if adopted:
-            full = fit_profile(
-                self.current.profile,
-                [e.measurement for e in entries],
-                regimes=regimes,
-                min_measurements=self.min_measurements,
-                **common,
-            )
-            result = dataclasses.replace(full, holdout=held)
         self.history = [*self.history[-63:], (result, adopted)]
         if not adopted:
             return None

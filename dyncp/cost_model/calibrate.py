@@ -295,8 +295,8 @@ class Holdout:
 
     before: float  # root mean square log(predicted / measured), model before the refit
     after: float  # the same for the refitted model
-    gain_error: float  # standard error of the mean of the per-measurement squared-error gains
-    gain: float  # mean of (before residual^2 - after residual^2)
+    gain_error: float  # standard error of the mean of the per-measurement gains
+    gain: float  # mean of (loss before - loss after), Cauchy loss at the fit's noise spread
     change: float  # root mean square of log(after / before) predictions: how much moved
     measurements: int  # held-out measurements both were judged on
 
@@ -345,8 +345,10 @@ def holdout_error(
     scores best); squares, because they rank two models by their bias as well as their spread
     (a mean absolute error barely moves with a small bias under heavy noise); outliers out,
     because stragglers are one-sided: kept in, even clipped, they reward a model that predicts
-    too slow. Both models are judged on the same measurements (a paired comparison), so the
-    noise they share does not decide either; ``gain_error`` says how much the rest does.
+    too slow. Which model is better (``gain``) is judged with the fit's own loss, a Cauchy loss
+    at the noise spread, for the same reason. Both models are judged on the same measurements
+    (a paired comparison), so the noise they share does not decide either; ``gain_error`` says
+    how much the rest does.
     """
     seconds = np.array([m.seconds for m in ms])
     r = [
@@ -363,7 +365,11 @@ def holdout_error(
     if not keep.any():
         keep[:] = True
     a, b = r[0][keep], r[1][keep]
-    gains = a**2 - b**2
+    # The gain is judged with the fit's own loss (Cauchy at the noise spread): stragglers just
+    # inside the cut are one-sided too, and under squares they would still favour a model that
+    # predicts too slow.
+    s = max(spread if spread is not None else _spread(b)[1], F_SCALE)
+    gains = np.log1p((a / s) ** 2) - np.log1p((b / s) ** 2)
     n = int(keep.sum())
     return Holdout(
         before=math.sqrt(float(np.mean(a**2))),
