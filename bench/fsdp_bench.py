@@ -110,7 +110,7 @@ def _tokens(lengths, seed: int, vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (int(s),), generator=gen) for s in lengths]
 
 
-def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float]:
+def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float, float]:
     losses = []
 
     def step_fn(ctx: MicroBatchContext) -> None:
@@ -120,10 +120,12 @@ def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float]:
 
     dist.barrier()
     t0 = time.perf_counter()
-    run(plan, pool, step_fn)
-    seconds = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's step
-    return reduce_loss(losses, dtype=torch.float64).item(), seconds.item()
+    report = run(plan, pool, step_fn)
+    total = time.perf_counter() - t0
+    # [the step, the part outside execute: gather + reduction], the slowest rank's each
+    seconds = torch.tensor([total, total - report.step_seconds])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return reduce_loss(losses, dtype=torch.float64).item(), *seconds.tolist()
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -153,7 +155,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plans: list, cfg: T
     out["errors"] = {}
     for mode in MODES:
         loss_model, model, run = _build(mode, cfg, torch.float64, mesh)
-        loss, _ = _step(loss_model, run, pool, plan, tokens)
+        loss, *_ = _step(loss_model, run, pool, plan, tokens)
         out["errors"][mode] = (loss, _grads(model))
     # 2./3. time and memory, fp32, modes interleaved step by step.
     built = {mode: _build(mode, cfg, torch.float32, mesh) for mode in MODES}
@@ -170,12 +172,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plans: list, cfg: T
     times = {mode: [] for mode in MODES}
     for s, (plan, seed) in enumerate(plans):
         tokens = _tokens(plan.lengths, seed, cfg.vocab)
-        for mode in MODES:
+        for mode in MODES[s % 3 :] + MODES[: s % 3]:  # each mode first, second, third in turn
             loss_model, model, run = built[mode]
             peak["flat"] = 0
-            _, sec = _step(loss_model, run, pool, plan, tokens)
+            _, sec, outside = _step(loss_model, run, pool, plan, tokens)
             if s >= args.warmup:
-                times[mode].append(sec)
+                times[mode].append((sec, outside))
             if mode == "fsdp":
                 sharded = _bytes(_local(p) for p in model.parameters())
                 sharded_grads = _bytes(_local(p.grad) for p in model.parameters())
@@ -201,8 +203,15 @@ def _reference(cfg: TinyConfig, plan, seed: int) -> tuple[float, dict[str, torch
     model = _model(cfg, torch.float64)
     lengths = tuple(int(s) for s in plan.lengths)
     ctx = MicroBatchContext(
-        0, 0, 1, 0, tuple(range(len(lengths))), None, lengths,
-        make_ring_layout(seqlens=lengths, cp=1), 1.0 / sum(s - 1 for s in lengths),
+        0,
+        0,
+        1,
+        0,
+        tuple(range(len(lengths))),
+        None,
+        lengths,
+        make_ring_layout(seqlens=lengths, cp=1),
+        1.0 / sum(s - 1 for s in lengths),
     )
     tokens = _tokens(lengths, seed, cfg.vocab)
     loss = microbatch_loss(model, ctx, torch.cat(tokens))
@@ -213,28 +222,35 @@ def _reference(cfg: TinyConfig, plan, seed: int) -> tuple[float, dict[str, torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="timed steps (after the warm-up)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--capacity", type=int, default=1024)
     p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    cfg = TinyConfig(vocab=args.vocab, dim=args.dim, heads=4, kv_heads=2, layers=args.layers,
-                     ffn=4 * args.dim)
+    cfg = TinyConfig(
+        vocab=args.vocab, dim=args.dim, heads=4, kv_heads=2, layers=args.layers, ffn=4 * args.dim
+    )
     lengths, _ = admit(load_lengths(resolve_dataset("wikipedia")), args.max_length, "truncate")
     batches = draw_batches(
-        lengths, steps=args.warmup + args.steps, seed=args.seed,
+        lengths,
+        steps=args.warmup + args.steps,
+        seed=args.seed,
         global_batch_tokens=args.batch_tokens,
     )
     planner = Planner(
-        CostModel.load("cpu-gloo", ranks_per_node=args.world), world=args.world,
-        ranks_per_node=args.world, capacity=args.capacity, max_length=args.max_length,
-        deterministic=True, cpsat=None,
+        CostModel.load("cpu-gloo", ranks_per_node=args.world),
+        world=args.world,
+        ranks_per_node=args.world,
+        capacity=args.capacity,
+        max_length=args.max_length,
+        deterministic=True,
+        cpsat=None,
     )
     plans = [(planner.plan(b), s) for s, b in enumerate(batches)]
     results = run_gloo(_worker, world=args.world, args=(args, plans, cfg), timeout=1800)
@@ -248,8 +264,10 @@ def main() -> None:
     )
     uneven = int((counts.max(0) != counts.min(0)).sum())
     sizes = sorted({g.size for plan, _ in plans for w in plan.waves for g in w.groups})
-    print(f"plans: CP sizes {sizes}; {uneven}/{len(plans)} steps give the ranks different "
-          f"micro-batch counts (per rank per step: {counts.tolist()})")
+    print(
+        f"plans: CP sizes {sizes}; {uneven}/{len(plans)} steps give the ranks different "
+        f"micro-batch counts (per rank per step: {counts.tolist()})"
+    )
 
     ref_loss, ref_grads = _reference(cfg, *plans[0])
     print("errors (fp64, one step, against one process):")
@@ -258,14 +276,32 @@ def main() -> None:
         worst = max(
             (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()
         )
-        print(f"  {mode:10s} loss rel {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
-              f"gradients rel {worst:.1e}")
+        print(
+            f"  {mode:10s} loss rel {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
+            f"gradients rel {worst:.1e}"
+        )
 
-    base = statistics.median(results[0]["times"]["replicated"])
-    print(f"per-step time (median of {args.steps} steps, slowest rank):")
+    times = results[0]["times"]
+
+    def median(mode: str, k: int) -> float:
+        return statistics.median(t[k] for t in times[mode])
+
+    base = median("replicated", 0)
+    print(
+        f"per-step time, slowest rank, {args.steps} steps; ratio: the median [quartiles] of each "
+        f"step's time over the same step's replicated time; outside execute: the all-gather and "
+        f"gradient reduction around the micro-batches (median):"
+    )
     for mode in MODES:
-        t = statistics.median(results[0]["times"][mode])
-        print(f"  {mode:10s} {t * 1e3:8.1f} ms   x{t / base:.3f} of replicated")
+        ratios = [t[0] / r[0] for t, r in zip(times[mode], times["replicated"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
+        fastest = min(t[0] for t in times[mode]) / min(t[0] for t in times["replicated"])
+        print(
+            f"  {mode:10s} step {median(mode, 0) * 1e3:8.1f} ms   ratio x{q2:.3f} [{q1:.3f}, "
+            f"{q3:.3f}]   fastest steps x{fastest:.3f}   outside execute "
+            f"{median(mode, 1) * 1e3:6.1f} ms ({median(mode, 1) / median(mode, 0):.1%})"
+        )
+    print(f"  (replicated median step {base * 1e3:.1f} ms)")
 
     mib = 2**20
     rep = results[0]["replicated"]

@@ -59,8 +59,12 @@ def planner() -> Planner:
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29555",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
     )
     from transformers import TrainerCallback, TrainingArguments
 
@@ -72,8 +76,9 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     class Recording(DynCPTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             plan = inputs[PLAN_KEY]
-            seen.append((list(plan.sample_ids), sorted({g.size for w in plan.waves
-                                                         for g in w.groups})))
+            seen.append(
+                (list(plan.sample_ids), sorted({g.size for w in plan.waves for g in w.groups}))
+            )
             return super().training_step(model, inputs, num_items_in_batch)
 
     class Logs(TrainerCallback):
@@ -82,15 +87,30 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
                 logged.append(logs["loss"])
 
     args = TrainingArguments(
-        output_dir=out_dir, max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=CLIP,
-        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=out_dir,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=CLIP,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     model = tiny_causal_lm(tiny_config("llama", vocab=VOCAB), register_ring_attention())
     trainer = Recording(
-        model=model, args=args, train_dataset=dataset(), planner=planner(),
-        global_batch_tokens=600, callbacks=[Logs()],
+        model=model,
+        args=args,
+        train_dataset=dataset(),
+        planner=planner(),
+        global_batch_tokens=600,
+        callbacks=[Logs()],
     )
     trainer.train()
     wrapped = type(trainer.model_wrapped).__name__
@@ -112,9 +132,13 @@ def reference(steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[flo
         for row, lab in zip(docs, labels):
             ids = torch.tensor(row["input_ids"])
             logits = model(input_ids=ids[None], use_cache=False).logits[0]
-            loss = loss + torch.nn.functional.cross_entropy(
-                logits[:-1], lab[1:], ignore_index=-100, reduction="sum"
-            ) / total
+            loss = (
+                loss
+                + torch.nn.functional.cross_entropy(
+                    logits[:-1], lab[1:], ignore_index=-100, reduction="sum"
+                )
+                / total
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()

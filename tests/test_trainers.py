@@ -76,9 +76,7 @@ def make_model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Module:
     if kind == "tiny":
         torch.manual_seed(0)
         return TinyDecoder(TinyConfig(vocab=VOCAB)).to(dtype)
-    return tiny_causal_lm(
-        tiny_config("llama", vocab=VOCAB), register_ring_attention(), dtype=dtype
-    )
+    return tiny_causal_lm(tiny_config("llama", vocab=VOCAB), register_ring_attention(), dtype=dtype)
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:
@@ -100,8 +98,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 def loss_of(model: nn.Module, ctx: MicroBatchContext, packed: torch.Tensor) -> torch.Tensor:
     """``ctx.loss_scale`` times the summed token loss, for either model kind, through DDP too."""
     if isinstance(unwrap(model), TinyDecoder):
-        return microbatch_loss(_ThroughDDP(model) if model is not unwrap(model) else model, ctx,
-                               packed)
+        return microbatch_loss(
+            _ThroughDDP(model) if model is not unwrap(model) else model, ctx, packed
+        )
     return causal_lm_loss(model, ctx, packed, kernel="math")
 
 
@@ -271,9 +270,7 @@ def test_plans_are_uneven_and_mix_cp_sizes() -> None:
                 for r in range(g.start, g.start + g.size):
                     counts[r] += len(g.microbatches)
         assert len(set(counts)) > 1, (name, counts)
-        assert any(
-            not any(g.start <= 3 < g.start + g.size for g in w.groups) for w in plan.waves
-        )
+        assert any(not any(g.start <= 3 < g.start + g.size for g in w.groups) for w in plan.waves)
     assert {g.size for w in PLANS["idle-wave"].waves for g in w.groups} == {1, 2, 4}
     assert all(g.start + g.size <= 3 for w in PLANS["idle-step"].waves for g in w.groups)
 

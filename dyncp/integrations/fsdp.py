@@ -93,7 +93,6 @@ from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
 __all__ = ["FSDPRunner"]
 
 
-
 @dataclass(slots=True)
 class _Slot:
     """One trainable parameter's place in its unit's reduce-scatter buffer.
