@@ -68,7 +68,13 @@ CASES = [
     for model, plans in (("tiny", tuple(PLANS)), ("llama", ("idle-wave",)))
     for wrap in ("fsdp", "fsdp-ac", "ddp")
     for plan in plans
-] + [("tiny", "fsdp-bf16", "idle-wave")]
+] + [("tiny", "fsdp-bf16", "idle-wave"), ("tiny", "fsdp-frozen", "idle-step")]
+
+
+def freeze_first_block(model: nn.Module) -> None:
+    """A unit with no trainable parameter: still gathered once, never reduced."""
+    for param in blocks_of(model)[0].parameters():
+        param.requires_grad_(False)
 
 
 def make_model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -136,6 +142,8 @@ def wrap(kind: str, how: str, mesh) -> tuple[nn.Module, object]:
         return ddp, DDPRunner(ddp)
     mp = None
     model = make_model(kind, torch.float32 if how == "fsdp-bf16" else torch.float64)
+    if how == "fsdp-frozen":
+        freeze_first_block(model)
     if how == "fsdp-bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if how == "fsdp-ac":
@@ -156,6 +164,8 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in unwrap(model).named_parameters():
         grad = param.grad
+        if grad is None:  # a frozen parameter
+            continue
         out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
     return out
 
@@ -282,8 +292,10 @@ def test_one_step_equals_single_process(results: list[dict], case: int) -> None:
     plan = PLANS[plan_name]
     dtype = torch.float32 if how == "fsdp-bf16" else torch.float64
     model = make_model(kind, dtype)
+    if how == "fsdp-frozen":
+        freeze_first_block(model)
     ref_loss = reference_step(model, tokens_for(case)).item()
-    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     tol_loss, tol_grad = (1e-12, 1e-9) if dtype == torch.float64 else (2e-2, 5e-2)
     expected_counts = [0] * WORLD
     for wave in plan.waves:
@@ -303,7 +315,8 @@ def test_one_step_equals_single_process(results: list[dict], case: int) -> None:
             assert err <= tol_grad * scale, (CASES[case], rank, name, err, scale)
         if how.startswith("fsdp"):  # whatever the micro-batch count: one of each per unit
             assert units == len(blocks_of(model)) + 1
-            assert calls == {"all_gather_single": units, "reduce_scatter_single": units}
+            reduced = units - (how == "fsdp-frozen")
+            assert calls == {"all_gather_single": units, "reduce_scatter_single": reduced}
         else:
             assert calls == {"all_gather_single": 0, "reduce_scatter_single": 0}
 

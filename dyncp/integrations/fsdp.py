@@ -17,9 +17,10 @@ ring runs one; a rank may run none in a wave, or in the whole step): plain FSDP2
 The design: **gather once, compute locally, reduce once.** :meth:`FSDPRunner.step`
 
 1. all-gathers every FSDP unit's parameters (``FSDPModule.unshard``, one all-gather per unit, in
-   the same order on every rank), and tells FSDP2 to keep them (no reshard after forward or
-   backward) and not to reduce (``set_requires_gradient_sync(False)``), so the micro-batches,
-   activation-checkpoint recomputation included, issue no FSDP collective at all;
+   the same order on every rank; units with only frozen parameters too), and tells FSDP2 to keep
+   them (no reshard after forward or backward) and not to reduce
+   (``set_requires_gradient_sync(False)``), so the micro-batches, activation-checkpoint
+   recomputation included, issue no FSDP collective at all;
 2. runs the plan with :func:`dyncp.runtime.execute` (the rank's own micro-batches, whatever their
    number, including zero, with ``ctx.loss_scale`` as usual). Each parameter's gradient is added,
    as soon as autograd has produced it, into a flat buffer per unit, in the reduction dtype and
@@ -146,13 +147,17 @@ class FSDPRunner:
             )
         self.model = model
         self.reduce_dtype = reduce_dtype
-        self._units = _units(model)
+        self._units = _units(model)  # those with trainable parameters: one reduce-scatter each
+        # every fully_shard module, frozen ones too: a forward through a sharded one would gather
+        self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._hooks: list = []
 
     @property
     def units(self) -> int:
-        """FSDP units: all-gathers (and reduce-scatters) this runner issues per step."""
-        return len(self._units)
+        """FSDP units (``fully_shard`` modules): the all-gathers this runner issues per step.
+
+        The reduce-scatters per step are the units that hold trainable parameters."""
+        return len(self._modules)
 
     def step(
         self,
@@ -195,11 +200,11 @@ class FSDPRunner:
     def _unshard(self) -> list[torch.Tensor]:
         """All-gather every unit once and route its gradients into a zeroed flat buffer."""
         buffers = []
-        for unit in self._units:
-            unit.module.set_reshard_after_forward(False, recurse=False)
-            unit.module.set_reshard_after_backward(False, recurse=False)
-            unit.module.set_requires_gradient_sync(False, recurse=False)
-        handles = [unit.module.unshard(async_op=True) for unit in self._units]
+        for module in self._modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_requires_gradient_sync(False, recurse=False)
+        handles = [module.unshard(async_op=True) for module in self._modules]
         for handle in handles:
             if handle is not None:
                 handle.wait()
@@ -247,13 +252,13 @@ class FSDPRunner:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for unit in self._units:
-            for _, param in _own_parameters(unit.module):
+        for module in self._modules:
+            for _, param in _own_parameters(module):
                 param.grad = None  # an unsharded gradient left by a failed step
-            unit.module.reshard()
-            unit.module.set_requires_gradient_sync(True, recurse=False)
-            unit.module.set_reshard_after_backward(True, recurse=False)
-            unit.module.set_reshard_after_forward(unit.module is not self.model, recurse=False)
+            module.reshard()
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_reshard_after_forward(module is not self.model, recurse=False)
 
 
 def _reduce_scatter(
