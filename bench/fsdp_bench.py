@@ -15,8 +15,12 @@ Printed:
 
 1. errors: one fp64 step of each path against the same batch on one process (loss relative
    error, gradients' largest error relative to each parameter's largest gradient);
-2. per-step time (the slowest rank's wall clock of forward + backward + gradient reduction), the
-   median over steps, and its ratio to ``replicated``;
+2. per-step time (the slowest rank's wall clock of forward + backward + gradient reduction): the
+   median over steps, the median and quartiles of each step's ratio to the same step under
+   ``replicated``, the ratio of the fastest steps, and the time spent outside ``execute`` (the
+   FSDP path's all-gathers and reduce-scatters; the others' all-reduces); then the CPU seconds per
+   step summed over the ranks, the work each path does, which a loaded machine disturbs far less
+   than the wall clock;
 3. parameter + gradient bytes per rank, counted from the live tensors: ``replicated`` holds the
    whole model's parameters and gradients; the FSDP path's peak is measured at its reduce-scatter
    (unsharded parameters, the flat gradient buffers, their reduce-scatter outputs and the sharded
@@ -110,7 +114,7 @@ def _tokens(lengths, seed: int, vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (int(s),), generator=gen) for s in lengths]
 
 
-def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float, float]:
+def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float, float, float]:
     losses = []
 
     def step_fn(ctx: MicroBatchContext) -> None:
@@ -119,12 +123,16 @@ def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float, float]:
         losses.append(loss.detach().double())
 
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = run(plan, pool, step_fn)
-    total = time.perf_counter() - t0
-    # [the step, the part outside execute: gather + reduction], the slowest rank's each
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # the step and the part outside execute (gather + reduction): the slowest rank's; CPU
+    # seconds: the sum over ranks (work done, which other jobs' load on the machine barely moves)
     seconds = torch.tensor([total, total - report.step_seconds])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    cpu_all = torch.tensor([cpu])
+    dist.all_reduce(cpu_all)
+    seconds = torch.cat([seconds, cpu_all])
     return reduce_loss(losses, dtype=torch.float64).item(), *seconds.tolist()
 
 
@@ -175,9 +183,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plans: list, cfg: T
         for mode in MODES[s % 3 :] + MODES[: s % 3]:  # each mode first, second, third in turn
             loss_model, model, run = built[mode]
             peak["flat"] = 0
-            _, sec, outside = _step(loss_model, run, pool, plan, tokens)
+            _, sec, outside, cpu = _step(loss_model, run, pool, plan, tokens)
             if s >= args.warmup:
-                times[mode].append((sec, outside))
+                times[mode].append((sec, outside, cpu))
             if mode == "fsdp":
                 sharded = _bytes(_local(p) for p in model.parameters())
                 sharded_grads = _bytes(_local(p.grad) for p in model.parameters())
@@ -222,7 +230,7 @@ def _reference(cfg: TinyConfig, plan, seed: int) -> tuple[float, dict[str, torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=16, help="timed steps (after the warm-up)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--capacity", type=int, default=1024)
     p.add_argument("--max-length", type=int, default=2048)
@@ -302,6 +310,13 @@ def main() -> None:
             f"{median(mode, 1) * 1e3:6.1f} ms ({median(mode, 1) / median(mode, 0):.1%})"
         )
     print(f"  (replicated median step {base * 1e3:.1f} ms)")
+    print(
+        "CPU seconds per step, summed over the ranks (median; ratio: median [quartiles], paired):"
+    )
+    for mode in MODES:
+        ratios = [t[2] / r[2] for t, r in zip(times[mode], times["replicated"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
+        print(f"  {mode:10s} {median(mode, 2):7.3f} s   ratio x{q2:.3f} [{q1:.3f}, {q3:.3f}]")
 
     mib = 2**20
     rep = results[0]["replicated"]
