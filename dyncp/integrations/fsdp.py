@@ -30,8 +30,9 @@ The design: **gather once, compute locally, reduce once.** :meth:`FSDPRunner.ste
    that ran nothing sends zeros) straight into its shard, writes it as the sharded parameter's
    ``.grad`` (added to any gradient already there), and reshards.
 
-So every rank issues exactly one all-gather and one reduce-scatter per FSDP unit per step, whatever
-the plan: the same count FSDP2 itself issues for a single forward + backward. The gradients are the
+So every rank issues exactly one all-gather and one reduce-scatter per FSDP unit per step (no
+reduce-scatter for a unit whose parameters are all frozen), whatever the plan: the same count
+FSDP2 itself issues for a single forward + backward. The gradients are the
 SUM over the DP x CP axis of ``ctx.loss_scale``-weighted token losses, i.e. exactly those of the
 global batch's mean token loss (see :mod:`dyncp.runtime.executor`); FSDP2's own averaging is not
 used, so no divide factor is involved.
