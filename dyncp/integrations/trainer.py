@@ -34,6 +34,10 @@ label tokens; ``ctx.loss_scale`` counts exactly those tokens. Set ``gradient_acc
 (a dyncp step is already the whole global batch; its size is ``global_batch_tokens`` or
 ``global_batch_size``), and ``max_steps`` or ``num_train_epochs`` as usual.
 
+Tested: accelerate's DDP on CPU. The FSDP2 branch (accelerate with ``fsdp_version: 2`` passes the
+root ``fully_shard`` module) needs a GPU to test: on CPU accelerate wrapped the model in DDP even
+with FSDP2 configured.
+
 TRL: ``SFTTrainer`` is a ``Trainer`` subclass; ``class Trainer(DynCPTrainerMixin, SFTTrainer)``
 puts dyncp's loop in front of it. It needs the dataset tokenized (``input_ids``, and the
 completion-only ``labels`` if wanted) without packing: dyncp packs, and TRL's packing would
