@@ -1,6 +1,10 @@
 """Integrations of dyncp with model libraries; each lives in its own module behind an extra.
 
 ``dyncp.integrations.hf``: Hugging Face ``transformers`` causal LMs (``pip install dyncp[hf]``).
+``dyncp.integrations.fsdp``: step plans on FSDP2 (``fully_shard``) models, ``FSDPRunner``.
+``dyncp.integrations.ddp``: step plans on ``DistributedDataParallel`` models, ``DDPRunner``.
+``dyncp.integrations.trainer``: ``transformers.Trainer`` with dyncp steps, ``DynCPTrainer``
+(``pip install dyncp[trainer]``).
 Importing this package imports no model library; importing a submodule needs its extra.
 """
 

@@ -224,7 +224,8 @@ def causal_lm_loss(
     DP x CP ranks. See the module docstring for why the labels are shifted before sharding.
 
     Args:
-        model: a transformers causal LM whose attention implementation is the registered ring.
+        model: a transformers causal LM whose attention implementation is the registered ring
+            (or a DistributedDataParallel wrapping of one: its ``.module`` has the config).
         ctx: the micro-batch's context.
         tokens: the micro-batch's sequences packed in ``ctx.seq_ids`` order, unpadded.
         labels: pre-shifted labels (see :func:`shard_inputs`); with custom labels, pass
@@ -235,7 +236,8 @@ def causal_lm_loss(
     Raises:
         ValueError: the model does not use a ring attention registered by this module.
     """
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", 0)
+    impl = getattr(config, "_attn_implementation", None)
     if AttentionInterface._global_mapping.get(impl) is not ring_attention_forward:
         raise ValueError(
             f"the model's attention implementation is {impl!r}; build it with "

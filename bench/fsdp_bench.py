@@ -1,0 +1,332 @@
+"""Measured: dyncp's FSDP2 and DDP runners against every rank holding the model, same plans.
+
+    python bench/fsdp_bench.py                 # 2 gloo processes, 1 thread each
+
+Each step's global batch (bundled Wikipedia lengths, truncated to ``--max-length``) is planned
+once by the deterministic dyncp planner (``cpu-gloo`` profile) and run by three copies of the
+same tiny decoder, interleaved step by step so that machine drift hits them alike:
+
+- ``replicated`` (the baseline): every rank holds the whole model; ``runtime.execute`` then
+  ``reduce_gradients``;
+- ``fsdp``: ``fully_shard`` per block and root, :class:`dyncp.integrations.fsdp.FSDPRunner`;
+- ``ddp``: ``DistributedDataParallel``, :class:`dyncp.integrations.ddp.DDPRunner`.
+
+Printed:
+
+1. errors: one fp64 step of each path against the same batch on one process (loss relative
+   error, gradients' largest error relative to each parameter's largest gradient);
+2. per-step time (the slowest rank's wall clock of forward + backward + gradient reduction): the
+   median over steps, the median and quartiles of each step's ratio to the same step under
+   ``replicated``, the ratio of the fastest steps, and the time spent outside ``execute`` (the
+   FSDP path's all-gathers and reduce-scatters; the others' all-reduces); then the CPU seconds per
+   step summed over the ranks, the work each path does, which a loaded machine disturbs far less
+   than the wall clock;
+3. parameter + gradient bytes per rank, counted from the live tensors: ``replicated`` holds the
+   whole model's parameters and gradients; the FSDP path's peak is measured at its reduce-scatter
+   (unsharded parameters, the flat gradient buffers, their reduce-scatter outputs and the sharded
+   parameters), and its footprint between steps is the sharded parameters and gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import dyncp.integrations.fsdp as fsdp_module
+from dyncp.cost_model import CostModel
+from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.integrations.ddp import DDPRunner
+from dyncp.integrations.fsdp import FSDPRunner
+from dyncp.planner import Planner
+from dyncp.ring_attention import make_ring_layout
+from dyncp.runtime import (
+    GroupPool,
+    MicroBatchContext,
+    execute,
+    reduce_gradients,
+    reduce_loss,
+)
+from dyncp.sim.replay import admit, draw_batches
+from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
+from dyncp.testing.distributed import run_gloo
+
+MODES = ("replicated", "fsdp", "ddp")
+
+
+class _LossSum(nn.Module):
+    """What DDP wraps: its forward is the decoder's summed loss."""
+
+    def __init__(self, inner: TinyDecoder) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.inner.loss_sum(*args, **kwargs)
+
+
+class _ThroughDDP:
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def loss_sum(self, *args, **kwargs) -> torch.Tensor:
+        return self.ddp(*args, **kwargs)
+
+    def parameters(self):
+        return self.ddp.parameters()
+
+
+def _model(cfg: TinyConfig, dtype: torch.dtype) -> TinyDecoder:
+    torch.manual_seed(0)
+    return TinyDecoder(cfg).to(dtype)
+
+
+def _build(mode: str, cfg: TinyConfig, dtype: torch.dtype, mesh):
+    """(the object step_fn's loss goes through, the user's model, a step runner)."""
+    model = _model(cfg, dtype)
+    if mode == "replicated":
+
+        def run(plan, pool, step_fn):
+            report = execute(plan, pool, step_fn)
+            reduce_gradients(model)
+            return report
+
+        return model, model, run
+    if mode == "ddp":
+        ddp = DistributedDataParallel(_LossSum(model))
+        return _ThroughDDP(ddp), model, DDPRunner(ddp).step
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, model, FSDPRunner(model).step
+
+
+def _tokens(lengths, seed: int, vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(s),), generator=gen) for s in lengths]
+
+
+def _step(loss_model, run, pool, plan, tokens) -> tuple[float, float, float, float]:
+    losses = []
+
+    def step_fn(ctx: MicroBatchContext) -> None:
+        loss = microbatch_loss(loss_model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids]))
+        loss.backward()
+        losses.append(loss.detach().double())
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    report = run(plan, pool, step_fn)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # the step and the part outside execute (gather + reduction): the slowest rank's; CPU
+    # seconds: the sum over ranks (work done, which other jobs' load on the machine barely moves)
+    seconds = torch.tensor([total, total - report.step_seconds])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    cpu_all = torch.tensor([cpu])
+    dist.all_reduce(cpu_all)
+    seconds = torch.cat([seconds, cpu_all])
+    return reduce_loss(losses, dtype=torch.float64).item(), *seconds.tolist()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        out[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+    return out
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, plans: list, cfg: TinyConfig):
+    torch.set_num_threads(1)
+    pool = GroupPool()
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    # 1. errors, fp64, first plan.
+    plan, seed = plans[0]
+    tokens = _tokens(plan.lengths, seed, cfg.vocab)
+    out["errors"] = {}
+    for mode in MODES:
+        loss_model, model, run = _build(mode, cfg, torch.float64, mesh)
+        loss, *_ = _step(loss_model, run, pool, plan, tokens)
+        out["errors"][mode] = (loss, _grads(model))
+    # 2./3. time and memory, fp32, modes interleaved step by step.
+    built = {mode: _build(mode, cfg, torch.float32, mesh) for mode in MODES}
+    fsdp_model = built["fsdp"][1]
+    peak = {"flat": 0, "unsharded": 0}
+    real = fsdp_module._reduce_scatter
+
+    def spy(out_t, flat, *, group, async_op):  # at the reduce-scatter: the FSDP path's peak
+        peak["flat"] += _bytes([flat, out_t])
+        peak["unsharded"] = _bytes(fsdp_model.parameters())  # still unsharded here
+        return real(out_t, flat, group=group, async_op=async_op)
+
+    fsdp_module._reduce_scatter = spy
+    times = {mode: [] for mode in MODES}
+    for s, (plan, seed) in enumerate(plans):
+        tokens = _tokens(plan.lengths, seed, cfg.vocab)
+        for mode in MODES[s % 3 :] + MODES[: s % 3]:  # each mode first, second, third in turn
+            loss_model, model, run = built[mode]
+            peak["flat"] = 0
+            _, sec, outside, cpu = _step(loss_model, run, pool, plan, tokens)
+            if s >= args.warmup:
+                times[mode].append((sec, outside, cpu))
+            if mode == "fsdp":
+                sharded = _bytes(_local(p) for p in model.parameters())
+                sharded_grads = _bytes(_local(p.grad) for p in model.parameters())
+                at_peak = peak["unsharded"] + peak["flat"] + sharded
+                out["fsdp_peak"] = max(out.get("fsdp_peak", 0), at_peak)
+                out["fsdp_rest"] = sharded + sharded_grads
+            if mode == "replicated":
+                out["replicated"] = _bytes(model.parameters()) + _bytes(
+                    p.grad for p in model.parameters()
+                )
+            for p in model.parameters():
+                p.grad = None
+    fsdp_module._reduce_scatter = real
+    out["times"] = times
+    out["counts"] = [
+        sum(len(g.microbatches) for w in plan.waves for g in w.groups if rank in g.ranks)
+        for plan, _ in plans
+    ]
+    return out
+
+
+def _reference(cfg: TinyConfig, plan, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model = _model(cfg, torch.float64)
+    lengths = tuple(int(s) for s in plan.lengths)
+    ctx = MicroBatchContext(
+        0,
+        0,
+        1,
+        0,
+        tuple(range(len(lengths))),
+        None,
+        lengths,
+        make_ring_layout(seqlens=lengths, cp=1),
+        1.0 / sum(s - 1 for s in lengths),
+    )
+    tokens = _tokens(lengths, seed, cfg.vocab)
+    loss = microbatch_loss(model, ctx, torch.cat(tokens))
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="timed steps (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--capacity", type=int, default=1024)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    cfg = TinyConfig(
+        vocab=args.vocab, dim=args.dim, heads=4, kv_heads=2, layers=args.layers, ffn=4 * args.dim
+    )
+    lengths, _ = admit(load_lengths(resolve_dataset("wikipedia")), args.max_length, "truncate")
+    batches = draw_batches(
+        lengths,
+        steps=args.warmup + args.steps,
+        seed=args.seed,
+        global_batch_tokens=args.batch_tokens,
+    )
+    planner = Planner(
+        CostModel.load("cpu-gloo", ranks_per_node=args.world),
+        world=args.world,
+        ranks_per_node=args.world,
+        capacity=args.capacity,
+        max_length=args.max_length,
+        deterministic=True,
+        cpsat=None,
+    )
+    plans = [(planner.plan(b), s) for s, b in enumerate(batches)]
+    results = run_gloo(_worker, world=args.world, args=(args, plans, cfg), timeout=1800)
+    params = sum(p.numel() for p in _model(cfg, torch.float32).parameters())
+    counts = np.array([r["counts"] for r in results])  # ranks x steps
+    print(
+        f"fsdp bench: {args.world} gloo processes x 1 thread, tiny decoder dim {args.dim} x "
+        f"{args.layers} layers, vocab {args.vocab} ({params / 1e6:.2f} M parameters, fp32), "
+        f"{len(plans)} steps of {args.batch_tokens} tokens (wikipedia lengths <= "
+        f"{args.max_length}), capacity {args.capacity}; {args.warmup} warm-up steps"
+    )
+    uneven = int((counts.max(0) != counts.min(0)).sum())
+    sizes = sorted({g.size for plan, _ in plans for w in plan.waves for g in w.groups})
+    print(
+        f"plans: CP sizes {sizes}; {uneven}/{len(plans)} steps give the ranks different "
+        f"micro-batch counts (per rank per step: {counts.tolist()})"
+    )
+
+    ref_loss, ref_grads = _reference(cfg, *plans[0])
+    print("errors (fp64, one step, against one process):")
+    for mode in MODES:
+        loss, grads = results[0]["errors"][mode]
+        worst = max(
+            (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()
+        )
+        print(
+            f"  {mode:10s} loss rel {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
+            f"gradients rel {worst:.1e}"
+        )
+
+    times = results[0]["times"]
+
+    def median(mode: str, k: int) -> float:
+        return statistics.median(t[k] for t in times[mode])
+
+    base = median("replicated", 0)
+    print(
+        f"per-step time, slowest rank, {args.steps} steps; ratio: the median [quartiles] of each "
+        f"step's time over the same step's replicated time; outside execute: the all-gather and "
+        f"gradient reduction around the micro-batches (median):"
+    )
+    for mode in MODES:
+        ratios = [t[0] / r[0] for t, r in zip(times[mode], times["replicated"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
+        fastest = min(t[0] for t in times[mode]) / min(t[0] for t in times["replicated"])
+        print(
+            f"  {mode:10s} step {median(mode, 0) * 1e3:8.1f} ms   ratio x{q2:.3f} [{q1:.3f}, "
+            f"{q3:.3f}]   fastest steps x{fastest:.3f}   outside execute "
+            f"{median(mode, 1) * 1e3:6.1f} ms ({median(mode, 1) / median(mode, 0):.1%})"
+        )
+    print(f"  (replicated median step {base * 1e3:.1f} ms)")
+    print(
+        "CPU seconds per step, summed over the ranks (median; ratio: median [quartiles], paired):"
+    )
+    for mode in MODES:
+        ratios = [t[2] / r[2] for t, r in zip(times[mode], times["replicated"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
+        print(f"  {mode:10s} {median(mode, 2):7.3f} s   ratio x{q2:.3f} [{q1:.3f}, {q3:.3f}]")
+
+    mib = 2**20
+    rep = results[0]["replicated"]
+    peak = max(r["fsdp_peak"] for r in results)
+    rest = max(r["fsdp_rest"] for r in results)
+    print("parameters + gradients per rank (bytes of live tensors):")
+    print(f"  replicated (every rank holds the model)  {rep / mib:8.2f} MiB   x1.000")
+    print(f"  fsdp runner, peak (at reduce-scatter)     {peak / mib:8.2f} MiB   x{peak / rep:.3f}")
+    print(f"  fsdp runner, between steps (sharded)      {rest / mib:8.2f} MiB   x{rest / rep:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""A dyncp step on a model sharded with FSDP2 (``fully_shard``): fixed collectives per step.
+
+    model = build()                                   # e.g. a transformers causal LM
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)                 # per transformer block ...
+    fully_shard(model, mesh=mesh)                     # ... and the root
+    runner = FSDPRunner(model)
+    report = runner.step(plan, pool, step_fn)         # instead of execute + reduce_gradients
+    optimizer.step(); optimizer.zero_grad()
+
+Why a runner at all: FSDP2 all-gathers a block's parameters in every forward (and again in the
+backward when they were freed) and reduce-scatters its gradients in every backward. Those are
+collectives over all ranks, so every rank must run the same number of forwards and backwards. A
+dyncp plan gives ranks different micro-batch counts (a CP-1 rank runs many packs while a CP-4
+ring runs one; a rank may run none in a wave, or in the whole step): plain FSDP2 hangs.
+
+The design: **gather once, compute locally, reduce once.** :meth:`FSDPRunner.step`
+
+1. all-gathers every FSDP unit's parameters (``FSDPModule.unshard``, one all-gather per unit, in
+   the same order on every rank; units with only frozen parameters too), and tells FSDP2 to keep
+   them (no reshard after forward or backward) and not to reduce
+   (``set_requires_gradient_sync(False)``), so the micro-batches, activation-checkpoint
+   recomputation included, issue no FSDP collective at all;
+2. runs the plan with :func:`dyncp.runtime.execute` (the rank's own micro-batches, whatever their
+   number, including zero, with ``ctx.loss_scale`` as usual). Each parameter's gradient is added,
+   as soon as autograd has produced it, into a flat buffer per unit, in the reduction dtype and
+   already laid out as the reduce-scatter input (rank r's rows of every parameter side by side),
+   then dropped: no second copy of the gradients is ever held;
+3. reduce-scatters each unit's buffer (one collective per unit, SUM, same order everywhere; a rank
+   that ran nothing sends zeros) straight into its shard, writes it as the sharded parameter's
+   ``.grad`` (added to any gradient already there), and reshards.
+
+So every rank issues exactly one all-gather and one reduce-scatter per FSDP unit per step (no
+reduce-scatter for a unit whose parameters are all frozen), whatever the plan: the same count
+FSDP2 itself issues for a single forward + backward. The gradients are the
+SUM over the DP x CP axis of ``ctx.loss_scale``-weighted token losses, i.e. exactly those of the
+global batch's mean token loss (see :mod:`dyncp.runtime.executor`); FSDP2's own averaging is not
+used, so no divide factor is involved.
+
+The trade-off, and why this design: between the all-gather and the reduce-scatter every rank holds
+all parameters in the compute dtype and all gradients in the reduction dtype (the memory of an
+unsharded model's parameters and gradients; the optimizer state and the master weights stay
+sharded, which is what ZeRO-2/FSDP save most of: AdamW's two moments and an fp32 master copy are
+12 bytes per parameter). In exchange the parameters cross the network once per step instead of
+once per micro-batch forward and once more per backward (FSDP2 with ``reshard_after_forward``),
+and the gradients once per step instead of once per micro-batch. The alternatives that keep
+FSDP2's per-block memory all cost compute or communication in proportion to the longest rank's
+micro-batch count: padding every rank to the same count with dummy forwards and backwards (a CP-1
+rank running 12 packs makes a CP-4 ring run 11 empty ones, each with a full all-gather and
+reduce-scatter), or re-gathering per micro-batch. When even one unsharded copy of the parameters
+and gradients does not fit, dyncp's plans are the wrong tool at that scale without tensor or
+pipeline parallelism to shrink the per-rank model first.
+
+Sizing the planner's ``capacity`` (tokens per rank in one micro-batch) for this runner: with P
+parameters on a rank (the whole model; per TP/PP shard if those are used), W ranks on the FSDP
+mesh, compute dtype bytes b_c (2 for bf16), reduction dtype bytes b_r (4 for fp32), master weight
+bytes b_m (4) and optimizer bytes per parameter b_o (8 for AdamW), the memory left for activations
+is ``M - P * (b_c + b_r) - P * (b_m + b_o) / W - M_reserve`` (M: the GPU memory; M_reserve: the
+CUDA context, allocator fragmentation and kernels' workspaces, a few GiB). Divide it by the
+activation bytes one token costs in forward + backward at CP 1 (measure it: run one micro-batch of
+T tokens, read ``torch.cuda.max_memory_allocated()``, subtract the line above, divide by T;
+activation checkpointing lowers it to about one hidden state per layer) and round down.
+
+Mixed precision: with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=
+torch.float32)`` the unsharded parameters are bf16, each micro-batch's bf16 gradient is added into
+the fp32 buffer (as FSDP2 accumulates without sync), the reduction runs in fp32 and the shard is
+cast to the sharded parameter's dtype. Pass ``reduce_dtype`` to :class:`FSDPRunner` to choose the
+accumulation and reduction dtype (default: the sharded parameter's dtype, the master weights').
+
+Settings this runner owns: during a step it sets every unit's reshard-after-forward and -backward
+to False and gradient sync off; after the step it restores gradient sync and resharding after
+backward, and sets resharding after forward back to FSDP2's default (True, except the root).
+
+Requirements (checked, with a clear error): FSDP2 (``fully_shard``) on a 1-D mesh with the default
+``Shard(0)`` placement, on the same ranks as the pool's DP x CP axis; every trainable parameter
+under some ``fully_shard`` module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from dyncp.integrations.axis import check_same_ranks
+from dyncp.plan import StepPlan
+from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
+
+__all__ = ["FSDPRunner"]
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One trainable parameter's place in its unit's reduce-scatter buffer.
+
+    The parameter's ``rows`` (dim 0) are split as FSDP2 shards them, ``chunk`` rows per rank
+    (ceil(rows / W); the last ranks hold fewer, possibly none); rank r's chunk, padded to ``chunk``
+    rows, sits at ``offset`` inside rank r's segment of the buffer.
+    """
+
+    name: str
+    sharded: nn.Parameter  # the DTensor parameter the optimizer holds
+    rows: int
+    row_numel: int
+    chunk: int
+    offset: int
+
+    @property
+    def numel(self) -> int:  # elements of one rank's padded chunk
+        return self.chunk * self.row_numel
+
+
+@dataclass(slots=True)
+class _Unit:
+    """One ``fully_shard`` module: its own parameters (not those of units nested in it)."""
+
+    module: FSDPModule
+    slots: list[_Slot]
+    segment: int  # elements of one rank's segment of the buffer
+    group: dist.ProcessGroup
+    device: torch.device
+
+
+class FSDPRunner:
+    """Runs dyncp step plans on an FSDP2 model with one all-gather and one reduce-scatter per unit.
+
+    Args:
+        model: the root module; ``fully_shard`` applied to its blocks and to itself.
+        reduce_dtype: dtype the gradients are accumulated and reduced in (default: each sharded
+            parameter's dtype, i.e. the master weights'; fp32 under a bf16 mixed-precision policy).
+
+    Raises:
+        ValueError: the model is not an FSDP2 model, uses a mesh or placement this runner does not
+            support, or has trainable parameters outside every ``fully_shard`` module.
+    """
+
+    def __init__(self, model: nn.Module, *, reduce_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(model, FSDPModule):
+            raise ValueError(
+                f"FSDPRunner needs the root module sharded with fully_shard (and its blocks); "
+                f"got a {type(model).__name__} that is not an FSDPModule"
+            )
+        self.model = model
+        self.reduce_dtype = reduce_dtype
+        self._units = _units(model)  # those with trainable parameters: one reduce-scatter each
+        # every fully_shard module, frozen ones too: a forward through a sharded one would gather
+        self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._hooks: list = []
+
+    @property
+    def units(self) -> int:
+        """FSDP units (``fully_shard`` modules): the all-gathers this runner issues per step.
+
+        The reduce-scatters per step are the units that hold trainable parameters."""
+        return len(self._modules)
+
+    def step(
+        self,
+        plan: StepPlan,
+        pool: GroupPool,
+        step_fn: Callable[[MicroBatchContext], object],
+        *,
+        labels_per_sequence: Sequence[int] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> RankReport:
+        """Run this rank's share of ``plan``; on return the sharded parameters hold the gradients.
+
+        The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh, which
+        must be the pool's DP x CP axis. ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
+
+        Raises:
+            ValueError: the FSDP mesh is not on the pool's ranks.
+            Whatever ``execute`` raises (PlanMismatchError, PlanError, StepFailed); then no
+            gradient is written, the parameters are resharded locally (no collective) and the
+            accumulated gradients are dropped.
+        """
+        for unit in self._units:
+            check_same_ranks(unit.group, pool, what="the FSDP mesh")
+        buffers = self._unshard()
+        try:
+            report = execute(
+                plan,
+                pool,
+                step_fn,
+                labels_per_sequence=labels_per_sequence,
+                synchronize=synchronize,
+            )
+        except BaseException:
+            self._finish()
+            raise
+        self._reduce(buffers)
+        self._finish()
+        return report
+
+    def _unshard(self) -> list[torch.Tensor]:
+        """All-gather every unit once and route its gradients into a zeroed flat buffer."""
+        buffers = []
+        for module in self._modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_requires_gradient_sync(False, recurse=False)
+        handles = [module.unshard(async_op=True) for module in self._modules]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        for unit in self._units:
+            world = unit.group.size()
+            dtype = self.reduce_dtype or unit.slots[0].sharded.dtype
+            flat = torch.zeros(world * unit.segment, dtype=dtype, device=unit.device)
+            buffers.append(flat)
+            params = dict(_own_parameters(unit.module))
+            for slot in unit.slots:
+                param = params[slot.name]  # the unsharded parameter forward uses
+                view = flat.as_strided((world, slot.numel), (unit.segment, 1), slot.offset)
+                self._hooks.append(param.register_post_accumulate_grad_hook(_adder(slot, view)))
+        return buffers
+
+    def _reduce(self, buffers: list[torch.Tensor]) -> None:
+        """One reduce-scatter (SUM) per unit, into the shards; then the shards' ``.grad``."""
+        works, outputs = [], []
+        for unit, flat in zip(self._units, buffers):
+            out = flat.new_empty(unit.segment)
+            works.append(_reduce_scatter(out, flat, group=unit.group, async_op=True))
+            outputs.append(out)
+        for unit, work, out in zip(self._units, works, outputs):
+            work.wait()
+            me = unit.group.rank()
+            for slot in unit.slots:
+                local_rows = min(max(slot.rows - me * slot.chunk, 0), slot.chunk)
+                local = slot.sharded.to_local()
+                grad = out[slot.offset : slot.offset + local_rows * slot.row_numel]
+                grad = grad.view(local.shape).to(local.dtype)
+                if slot.sharded.grad is None:
+                    slot.sharded.grad = DTensor.from_local(
+                        grad,
+                        slot.sharded.device_mesh,
+                        slot.sharded.placements,
+                        run_check=False,
+                        shape=slot.sharded.shape,
+                        stride=slot.sharded.stride(),
+                    )
+                else:
+                    slot.sharded.grad.to_local().add_(grad)
+
+    def _finish(self) -> None:
+        """Remove the gradient hooks, reshard (local) and give FSDP2 its settings back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for module in self._modules:
+            for _, param in _own_parameters(module):
+                param.grad = None  # an unsharded gradient left by a failed step
+            module.reshard()
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_reshard_after_forward(module is not self.model, recurse=False)
+
+
+def _reduce_scatter(
+    out: torch.Tensor, flat: torch.Tensor, *, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work:
+    """SUM ``flat`` over ``group``, rank r keeping segment r (``reduce_scatter_single`` is the
+    newer torch's name for ``reduce_scatter_tensor``)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, flat, group=group, async_op=async_op)
+
+
+def _adder(slot: _Slot, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """The hook that moves a fresh unsharded gradient into the unit's buffer (padded layout)."""
+    full = slot.rows // slot.chunk  # ranks whose chunk is full
+    rest = slot.rows - full * slot.chunk
+
+    def add(param: torch.Tensor) -> None:
+        grad = param.grad.reshape(slot.rows * slot.row_numel)
+        view[:full].add_(grad[: full * slot.numel].view(full, slot.numel))
+        if rest:
+            view[full, : rest * slot.row_numel].add_(grad[full * slot.numel :])
+        param.grad = None
+
+    return add
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``module``'s own ``fully_shard`` manages (not those of nested units)."""
+    nested = [
+        prefix + "."
+        for prefix, sub in module.named_modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+    ]
+    return [
+        (name, param)
+        for name, param in module.named_parameters()
+        if not any(name.startswith(p) for p in nested)
+    ]
+
+
+def _units(model: nn.Module) -> list[_Unit]:
+    """Every FSDP unit under ``model`` (``named_modules`` order) and its trainable parameters."""
+    units, seen = [], set()
+    for path, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        slots, offset, group, device = [], 0, None, None
+        for name, param in _own_parameters(module):
+            seen.add(id(param))
+            if not param.requires_grad:
+                continue
+            where = f"{path}.{name}" if path else name
+            mesh = _check_sharding(where, param)
+            group, device = mesh.get_group(), param.to_local().device
+            world = mesh.size()
+            if param.dim() == 0 or param.shape[0] == 0:
+                raise ValueError(
+                    f"parameter {where!r} has shape {tuple(param.shape)}; FSDPRunner shards "
+                    f"parameters along a non-empty dim 0"
+                )
+            rows = param.shape[0]
+            chunk = -(-rows // world)
+            slot = _Slot(name, param, rows, math.prod(param.shape[1:]), chunk, offset)
+            expected = min(max(rows - mesh.get_local_rank() * chunk, 0), chunk)
+            if param.to_local().shape[0] != expected:
+                raise ValueError(
+                    f"parameter {where!r}: local shard has {param.to_local().shape[0]} rows, "
+                    f"FSDP2's even Shard(0) split gives {expected}; only the default sharding is "
+                    f"supported"
+                )
+            slots.append(slot)
+            offset += slot.numel
+        if slots:
+            units.append(_Unit(module, slots, offset, group, device))
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if stray:
+        raise ValueError(
+            f"trainable parameters outside every fully_shard module: {stray[:5]}; shard the root "
+            f"module too (fully_shard(model)) so each parameter has one owner"
+        )
+    if not units:
+        raise ValueError("the model has no trainable parameter under fully_shard")
+    return units
+
+
+def _check_sharding(where: str, param: nn.Parameter):
+    """The parameter's 1-D mesh, after checking it is sharded the way this runner expects."""
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter {where!r} is not sharded (not a DTensor); call FSDPRunner after "
+            f"fully_shard, with the parameters resharded (outside a forward)"
+        )
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(
+            f"parameter {where!r} is placed {tuple(param.placements)} on a {mesh.ndim}-D mesh; "
+            f"FSDPRunner supports fully_shard on a 1-D mesh with the default Shard(0) placement"
+        )
+    return mesh
