@@ -215,3 +215,13 @@ def test_spawn_error_reports_the_rank() -> None:
 def _raise_on_one(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("deliberate")
+
+
+def _subset_pool(rank: int, world: int) -> tuple:
+    pool = GroupPool(ranks=[0, 1])  # every rank of the job builds it; ranks 2 and 3 are off it
+    return pool.position, pool.store is not None
+
+
+def test_a_pool_over_part_of_the_job_builds_on_every_rank() -> None:
+    results = run_gloo(_subset_pool, world=WORLD, timeout=120)
+    assert results == [(0, True), (1, True), (None, False), (None, False)]

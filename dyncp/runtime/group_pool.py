@@ -150,8 +150,11 @@ class GroupPool:
         # Keep the given Store itself alive: the PrefixStore holds it only on the C++ side, so a
         # Python subclass would be collected and its overrides then fail ("pure virtual").
         self._base_store = base
-        self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
-        self._board_secret = shared_secret(self.control_group)
+        self.store: Store | None = None
+        self._board_secret = b""
+        if self.position is not None:  # a rank off the axis builds the groups and nothing else
+            self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
+            self._board_secret = shared_secret(self.control_group)
         self.calls = 0
         self.last_call = (-1, 0)  # (call number, waves) of the last execute on this rank
         # The per-step plan agreement: one all_reduce, on the device group where there is one
@@ -265,7 +268,13 @@ class GroupPool:
 
     def board(self, scope: str) -> FailureBoard:
         """The failure board of one call (``scope``: the same key prefix on every rank), its
-        reports sealed with the pool's secret (drawn at start-up, never in the Store)."""
+        reports sealed with the pool's secret (drawn at start-up, never in the Store).
+
+        Raises:
+            ValueError: this rank is not on the pool's axis.
+        """
+        if self.store is None:
+            raise ValueError("this rank is not on the pool's DP x CP axis: it has no board")
         return FailureBoard(
             self.store,
             scope=scope,
