@@ -236,3 +236,18 @@ def test_the_planner_chooses_from_the_menu(world: int, rpn: int, kind: str) -> N
     mega.validate()
     assert all(g.size & (g.size - 1) == 0 for w in mega.waves for g in w.groups)
     assert mega.topology == plan.topology
+
+
+def test_links_for_every_size_of_a_menu() -> None:
+    nvl = CostModel.load("h100-reference", 72)
+    comm = nvl.profile.communication
+    intra = (comm.intra_node.latency_seconds, comm.intra_node.bandwidth_bytes_per_second)
+    inter = (comm.inter_node.latency_seconds, comm.inter_node.bandwidth_bytes_per_second)
+    for c in (*menu_sizes("divisors", world=576, ranks_per_node=72), 64):
+        if c > 1:
+            assert nvl.link(c) == (intra if c <= 72 else inter), c
+    node4 = CostModel.load("h100-reference", 4)
+    assert node4.link(3) == intra and node4.link(12) == inter and node4.link(48) == inter
+    table = CostModel.load("cpu-gloo", 8)  # links measured at 2, 4, 8, ...: next larger size
+    assert table.link(3) == table.link(4) and table.link(6) == table.link(8)
+    assert table.link(12) == table.link(16)
