@@ -25,7 +25,9 @@ power-of-two blocks whenever the domain and the world are powers of two.
 Menus (:func:`menu_sizes`): ``"powers-of-two"`` (the default: every power of two dividing the
 world that the rules allow -- the sizes dyncp used before menus), ``"divisors"`` (every divisor of
 the domain, plus whole-domain multiples ``m * domain`` for each m dividing ``world // domain``),
-or an explicit list checked by :func:`check_sizes`.
+``"divisors-and-powers-of-two"`` (those and every power of two up to the domain: a superset of
+the powers of two the domain holds, e.g. 16, 32, 64 on an NVL72), or an explicit list checked by
+:func:`check_sizes`.
 
 Torch-free: the planner, the simulator and the pool's communicator count all use it.
 """
@@ -41,6 +43,7 @@ __all__ = [
     "PoolCount",
     "check_sizes",
     "domain_size",
+    "is_placement",
     "menu_sizes",
     "placements",
     "pool_blocks",
@@ -48,7 +51,7 @@ __all__ = [
     "pool_count",
 ]
 
-MENU_KINDS = ("powers-of-two", "divisors")
+MENU_KINDS = ("powers-of-two", "divisors", "divisors-and-powers-of-two")
 
 #: NCCL's default ``NCCL_BUFFSIZE``: 4194304 bytes (4 MiB), "the size of the buffer used by NCCL
 #: when communicating data between pairs of GPUs" (NCCL user guide, Environment Variables,
@@ -103,8 +106,10 @@ def menu_sizes(kind: str, *, world: int, ranks_per_node: int) -> tuple[int, ...]
     domain = domain_size(world, ranks_per_node)
     if kind == "powers-of-two":
         cands: Iterable[int] = (1 << k for k in range(world.bit_length()) if world % (1 << k) == 0)
-    elif kind == "divisors":
+    elif kind in ("divisors", "divisors-and-powers-of-two"):
         inside = [c for c in range(1, domain + 1) if domain % c == 0]
+        if kind == "divisors-and-powers-of-two":
+            inside += [1 << k for k in range(domain.bit_length())]
         domains = world // domain
         cands = inside + [m * domain for m in range(2, domains + 1) if domains % m == 0]
     else:
@@ -135,6 +140,17 @@ def split_allowed(size: int, heads: int, *, world: int, ranks_per_node: int) -> 
     if heads < 1 or size % heads:
         return False
     return size <= domain or domain % heads == 0 or heads % domain == 0
+
+
+def is_placement(start: int, size: int, *, world: int, ranks_per_node: int) -> bool:
+    """Whether ``[start, start + size)`` is one of :func:`placements` (size assumed allowed)."""
+    domain = domain_size(world, ranks_per_node)
+    if size < 1 or not 0 <= start <= world - size:
+        return False
+    if size > domain:
+        return start % size == 0
+    offset = start % domain
+    return offset % size == 0 and offset + size <= domain
 
 
 def pool_blocks(

@@ -7,7 +7,8 @@ size, and in what order. Everything else in dyncp either produces a plan (planne
 Vocabulary (see DESIGN.md)::
 
     rank        one position on the data-parallel x context-parallel axis, 0 .. world-1
-    group       an aligned block of ranks [start, start + size); size = CP size; split into
+    group       a block of ranks [start, start + size) the placement rules allow (see
+                ``dyncp.menu``); size = CP size; split into
                 heads (u ranks exchanging heads by all-to-all) x ring (size / u ranks in a ring)
     micro-batch the packed sequences one group runs in one forward+backward
     wave        groups that run concurrently; groups within a wave are disjoint, and group
@@ -41,7 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from dyncp.menu import check_sizes, domain_size, menu_sizes, placements, split_allowed
+from dyncp.menu import (
+    check_sizes,
+    domain_size,
+    is_placement,
+    menu_sizes,
+    placements,
+    split_allowed,
+)
 
 __all__ = [
     "Topology",
@@ -233,12 +241,9 @@ class Topology:
 
     def is_placement(self, start: int, size: int) -> bool:
         """Whether ``[start, start + size)`` is a block the rules allow for an allowed size."""
-        if size not in self.group_sizes or not 0 <= start <= self.world - size:
-            return False
-        if size > self.domain:
-            return start % size == 0
-        offset = start % self.domain
-        return offset % size == 0 and offset + size <= self.domain
+        return size in self.group_sizes and is_placement(
+            start, size, world=self.world, ranks_per_node=self.ranks_per_node
+        )
 
     def memory_tokens(self, lengths: Sequence[int], cp: int) -> int:
         """Tokens per rank of a micro-batch of ``lengths`` at CP size ``cp`` (padding included)."""

@@ -190,6 +190,13 @@ def test_pool_counts_at_576_ranks_stay_within_3x_of_powers_of_two() -> None:
     assert (menu.per_rank_max, menu.total) == (14, 991)
     assert menu.per_rank_max <= 3 * pow2.per_rank_max and menu.total <= 3 * legacy_total
     assert menu.buffer_bytes_per_rank == 14 * 2 * NCCL_BUFFSIZE_BYTES
+    both = pool_count(
+        menu_sizes("divisors-and-powers-of-two", world=576, ranks_per_node=72),
+        world=576,
+        ranks_per_node=72,
+    )
+    assert (both.per_rank_max, both.total) == (17, 1047)
+    assert both.per_rank_max <= 3 * pow2.per_rank_max and both.total <= 3 * legacy_total
 
 
 def test_pool_blocks_with_head_splits() -> None:

@@ -136,7 +136,14 @@ def _worker(rank: int, world: int, cases: dict, plan_json: str, seed: int) -> di
         losses.append(loss.detach())
 
     report = execute(plan, pool, step_fn)
+    try:  # a size straddling domains of 3 is refused before any group is created
+        GroupPool(group_sizes=(1, 4), ranks_per_node=3)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
     return dict(
+        refused=refused,
+        off_block=pool.has_block(1, 3) or pool.has_block(1, 5) or not pool.has_block(0, 5),
         errors=errors,
         loss=reduce_loss(losses, dtype=torch.float64).item(),
         grads=reduce_gradients(model),
@@ -163,6 +170,7 @@ def _check(world: int) -> None:
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= TOL, (rank, worst)
         assert res["created"] == res["expected"]
+        assert "[4] not allowed" in res["refused"] and not res["off_block"]
     ref_loss, ref_grads = reference(plan, seed)
     for rank, res in enumerate(results):
         assert res["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=0)

@@ -58,8 +58,8 @@ import torch.distributed as dist
 from dyncp.menu import (
     PoolCount,
     check_sizes,
+    is_placement,
     menu_sizes,
-    placements,
     pool_blocks,
     pool_count,
     split_allowed,
@@ -267,8 +267,8 @@ class GroupPool:
         built = (start, size) in self._groups or self.position is None or not (
             start <= self.position < start + size
         )
-        placed = size in self.group_sizes and start in placements(
-            size, world=self.world, ranks_per_node=self.ranks_per_node
+        placed = size in self.group_sizes and is_placement(
+            start, size, world=self.world, ranks_per_node=self.ranks_per_node
         )
         split = heads == 1 or (
             heads in self.head_sizes
