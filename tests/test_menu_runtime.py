@@ -21,6 +21,7 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dyncp.menu import placements
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
@@ -99,6 +100,26 @@ def _mine(pool: GroupPool, rank: int, c: int) -> int | None:
     return next((s for s in starts if s <= rank < s + c), None)
 
 
+def _split_families(world: int) -> list[int]:
+    """Build the pool as on NCCL: ``split_group`` stood in for by gloo groups made the same way
+    (every rank creates every group of the family), recording each call's family size."""
+    calls: list[int] = []
+
+    def split(*, split_ranks: list[list[int]], **kwargs):
+        calls.append(len(split_ranks))
+        groups = [dist.new_group(ranks=r, **kwargs) for r in split_ranks]
+        return next((g for g, r in zip(groups, split_ranks) if dist.get_rank() in r), None)
+
+    backend, split_group = dist.get_backend, getattr(dist, "split_group", None)
+    dist.get_backend, dist.split_group = (lambda *a: "nccl"), split
+    try:
+        pool = GroupPool(group_sizes=SIZES[world], ranks_per_node=world, head_sizes=HEADS[world])
+    finally:
+        dist.get_backend, dist.split_group = backend, split_group
+    assert pool.creation_calls == len(calls) and sum(calls) == pool.created
+    return calls
+
+
 def _worker(rank: int, world: int, cases: dict, plan_json: str, seed: int) -> dict:
     pool = GroupPool(group_sizes=SIZES[world], ranks_per_node=world, head_sizes=HEADS[world])
     errors: dict[str, float] = {}
@@ -142,6 +163,7 @@ def _worker(rank: int, world: int, cases: dict, plan_json: str, seed: int) -> di
     except ValueError as exc:
         refused = str(exc)
     return dict(
+        families=_split_families(world) if world == 6 else None,
         refused=refused,
         off_block=pool.has_block(1, 3) or pool.has_block(1, 5) or not pool.has_block(0, 5),
         errors=errors,
@@ -149,6 +171,7 @@ def _worker(rank: int, world: int, cases: dict, plan_json: str, seed: int) -> di
         grads=reduce_gradients(model),
         ran=len(report.microbatches),
         created=pool.created,
+        calls=pool.creation_calls,
         expected=pool.count.total,
     )
 
@@ -169,7 +192,7 @@ def _check(world: int) -> None:
     for rank, res in enumerate(results):
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= TOL, (rank, worst)
-        assert res["created"] == res["expected"]
+        assert res["created"] == res["expected"] == res["calls"]  # gloo: one call per group
         assert "[4] not allowed" in res["refused"] and not res["off_block"]
     ref_loss, ref_grads = reference(plan, seed)
     for rank, res in enumerate(results):
@@ -177,6 +200,8 @@ def _check(world: int) -> None:
         for name, ref in ref_grads.items():
             err = (res["grads"][name] - ref).abs().max().item()
             assert err <= 1e-9 * max(1.0, ref.abs().max().item()), (rank, name, err)
+    if world == 6:  # one call per family: blocks of 2, 3, 5, 6 (the head blocks), rings of 6
+        assert results[0]["families"] == [3, 2, 1, 1, 2, 3], results[0]["families"]
     ran = sum(res["ran"] for res in results)
     assert ran == sum(len(g.microbatches) * g.size for w in plan.waves for g in w.groups)
 

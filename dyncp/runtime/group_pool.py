@@ -33,7 +33,7 @@ Creation stays cheap on NCCL with ``torch.distributed.split_group``: the blocks 
 disjoint, so all of them come from ONE split of the job's communicator (``ncclCommSplit``: the
 children reuse the parent's bootstrap, no new rendezvous), one call per family -- the blocks of a
 size, the head blocks of a u, the ring sub-groups of a (c, u) -- instead of one bootstrap per
-group (``split_calls`` counts them: 14 for the 991 groups of 576 ranks above). gloo and older
+group (``creation_calls`` counts them: 14 for the 991 groups of 576 ranks above). gloo and older
 torch use ``new_group`` per group. Each group this rank belongs to is warmed up with a tiny
 all_reduce, so the first training step does not pay for lazy communicator initialisation.
 
@@ -107,7 +107,8 @@ class GroupPool:
         world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
         created: number of groups created; ``creation_seconds``: wall time of creating them.
         count: what was created, counted by ``dyncp.menu.pool_count`` (total, per rank, the
-            NCCL buffer estimate); ``split_calls``: collective creation calls made.
+            NCCL buffer estimate); ``creation_calls``: collective creation calls made (one per
+            family of disjoint groups with ``split_group`` on NCCL, one per group otherwise).
         axis_group: a group over the whole axis, for synchronisation points.
         control_group: a gloo group over the axis: plan agreement and status exchange.
         timeout: the groups' timeout in seconds.
@@ -187,7 +188,7 @@ class GroupPool:
         self._board_secret = shared_secret(self.control_group)
         self.calls = 0
         self.created = 0
-        self.split_calls = 0
+        self.creation_calls = 0
         self._build(kwargs)
         self.count: PoolCount = pool_count(
             self.group_sizes, self.head_sizes, world=self.world, ranks_per_node=rpn
@@ -228,20 +229,21 @@ class GroupPool:
         members = [[self.ranks[p] for p in pos] for pos in positions]
         split = getattr(dist, "split_group", None)
         self.created += len(keys)
-        self.split_calls += 1
         if self.backend == "nccl" and split is not None:
+            self.creation_calls += 1
             group = split(split_ranks=members, **kwargs)
             for key, pos in zip(keys, positions):
                 if mine in pos:
                     into[key] = group
             return
+        self.creation_calls += len(keys)
         for key, pos, ranks in zip(keys, positions, members):
             group = dist.new_group(ranks=ranks, **kwargs)
             if mine in pos:
                 into[key] = group
 
     def group(self, start: int, size: int) -> dist.ProcessGroup | None:
-        """The group of the aligned block ``[start, start + size)`` (None for size 1).
+        """The group of the block ``[start, start + size)`` (None for size 1).
 
         Raises:
             ValueError: the block is not one the pool built, or this rank is not in it; the
