@@ -22,6 +22,7 @@ from dyncp.menu import (
 from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave
 from dyncp.planner import Planner
 from dyncp.planner.packing import place_waves
+from dyncp.planner.planner import nested_core
 
 
 def _domains(world: int, rpn: int) -> list[range]:
@@ -258,3 +259,31 @@ def test_links_for_every_size_of_a_menu() -> None:
     table = CostModel.load("cpu-gloo", 8)  # links measured at 2, 4, 8, ...: next larger size
     assert table.link(3) == table.link(4) and table.link(6) == table.link(8)
     assert table.link(12) == table.link(16)
+
+
+@pytest.mark.parametrize(
+    ("world", "rpn", "sizes"),
+    [
+        (64, 4, (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64)),
+        (72, 72, menu_sizes("divisors-and-powers-of-two", world=72, ranks_per_node=72)),
+    ],
+)
+def test_a_menu_holding_the_powers_of_two_is_never_slower(
+    world: int, rpn: int, sizes: tuple[int, ...]
+) -> None:
+    """Deterministic dyncp on a menu that holds 1..64 also constructs on those powers of two, so
+    its plan is never slower than dyncp on powers of two alone, and it is a plan of the menu."""
+    model = CostModel.load("h100-reference", rpn)
+    common = dict(world=world, ranks_per_node=rpn, capacity=2048, deterministic=True, cpsat=None)
+    menu = Planner(model, **common, group_sizes=sizes)
+    pow2 = Planner(model, **common, group_sizes=(1, 2, 4, 8, 16, 32, 64))
+    assert nested_core(menu.topology) == pow2.topology
+    assert nested_core(pow2.topology) is None
+    for seed in range(3):
+        lengths = _batch(seed, 2048)
+        plan = menu.plan(lengths)
+        plan.validate()
+        assert plan.topology == menu.topology
+        assert plan.stats["construction"] in ("menu", "powers-of-two")
+        ref = pow2.plan(lengths).stats["predicted_step_seconds"]
+        assert plan.stats["predicted_step_seconds"] <= ref * (1 + 1e-12)
