@@ -16,7 +16,7 @@
 Step-level metrics describe the whole job: report each step once (rank 0 or the plan service),
 not once per rank. Names follow Prometheus conventions (base units; ``_seconds``, ``_ratio``,
 ``_total``); labels come from bounded sets only: ``policy`` (the constructor's ``policies``),
-``source`` (predicted / measured), ``cp_size`` (powers of two up to the world size), ``status``
+``source`` (predicted / measured), ``cp_size`` (the menu's sizes and powers of two), ``status``
 (solver outcomes), ``reason`` (fallback reasons), and for online calibration ``stage`` (before /
 after a refit), ``outcome`` (adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label
 is opt-in (``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
@@ -146,13 +146,14 @@ class Metrics:
     Args:
         policies: the allowed values of the ``policy`` label.
         cp_sizes: CP sizes to initialise at zero (e.g. ``topology.group_sizes``), so that rates
-            are defined from the first scrape; other powers of two are accepted when observed.
+            are defined from the first scrape; they and powers of two are the label values (a
+            menu beyond powers of two, ``dyncp.menu``, is given here, so labels stay bounded).
         rank_label: also export ``dyncp_rank_busy_seconds{policy,source,rank}``, one series per
             rank (off by default: W series per policy and source).
         registry: the registry to register in; default a new ``CollectorRegistry``.
 
     Raises:
-        ValueError: an empty or duplicated ``policies``, or a CP size that is not a power of two.
+        ValueError: an empty or duplicated ``policies``, or a CP size below 1.
         RuntimeError: ``PROMETHEUS_MULTIPROC_DIR`` set too late, or not a directory.
     """
 
@@ -332,6 +333,7 @@ class Metrics:
                 **last,
             )
         self._cp_sizes: set[int] = set()
+        self._menu: frozenset[int] = frozenset()
         for policy in self.policies:
             for source in SOURCES:
                 self.step_imbalance.labels(policy, source)
@@ -341,8 +343,13 @@ class Metrics:
             self.late_plans.labels(policy)
             for reason in FALLBACK_REASONS:
                 self.fallback_plans.labels(policy, reason)
-        for cp in cp_sizes:
-            self._cp_label(int(cp))
+        menu = [int(cp) for cp in cp_sizes]
+        bad = [cp for cp in menu if cp < 1]
+        if bad:
+            raise ValueError(f"cp_sizes must be positive integers, got {bad}")
+        self._menu = frozenset(menu)
+        for cp in menu:
+            self._cp_label(cp)
 
     # ------------------------------------------------------------------------------ labels
     def _policy(self, policy: str) -> str:
@@ -354,8 +361,11 @@ class Metrics:
         return policy
 
     def _cp_label(self, cp: int) -> str:
-        if cp < 1 or cp & (cp - 1):
-            raise ValueError(f"cp_size must be a power of two, got {cp}")
+        if cp < 1 or (cp & (cp - 1) and cp not in self._menu):
+            raise ValueError(
+                f"cp_size {cp} is neither a power of two nor one of the CP sizes these metrics "
+                f"were given ({sorted(self._menu)}; Metrics(cp_sizes=topology.group_sizes))"
+            )
         label = str(cp)
         if cp not in self._cp_sizes:
             self._cp_sizes.add(cp)

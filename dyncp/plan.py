@@ -7,7 +7,8 @@ size, and in what order. Everything else in dyncp either produces a plan (planne
 Vocabulary (see DESIGN.md)::
 
     rank        one position on the data-parallel x context-parallel axis, 0 .. world-1
-    group       an aligned block of ranks [start, start + size); size = CP size; split into
+    group       a block of ranks [start, start + size) the placement rules allow (see
+                ``dyncp.menu``); size = CP size; split into
                 heads (u ranks exchanging heads by all-to-all) x ring (size / u ranks in a ring)
     micro-batch the packed sequences one group runs in one forward+backward
     wave        groups that run concurrently; groups within a wave are disjoint, and group
@@ -21,8 +22,16 @@ multiple of 2c (c > 1; a size-1 group needs no padding). A micro-batch fits when
 divided by c are at most ``capacity`` tokens per rank. The head split does not change this: every
 rank of a group holds the same zigzag shard whatever u is.
 
-Plan JSON: ``schema_version`` 2 (groups carry ``heads``, the topology the allowed head sizes and
-the model's head counts); version 1 plans (rings only) are still read, with ``heads = 1``.
+Placement (``dyncp.menu``): a group of size c lies inside one NVLink domain of ``ranks_per_node``
+ranks, on an aligned block counted from the domain's first rank, or spans whole domains on a
+block aligned to c. With a power-of-two domain and world this is the aligned block
+``[k*c, (k+1)*c)`` of earlier versions.
+
+Plan JSON: ``schema_version`` 3 (the topology names its ``placement`` rule, ``"domain"``, and its
+group sizes may be any menu the rule allows); version 2 (groups carry ``heads``, the topology the
+allowed head sizes and the model's head counts) and version 1 (rings only, ``heads = 1``) are
+still read, under the same placement rule -- for their power-of-two sizes on power-of-two nodes it
+is the rule they were written under.
 """
 
 from __future__ import annotations
@@ -35,6 +44,15 @@ from typing import Any
 
 import numpy as np
 
+from dyncp.menu import (
+    check_sizes,
+    domain_size,
+    is_placement,
+    menu_sizes,
+    placements,
+    split_allowed,
+)
+
 __all__ = [
     "Topology",
     "MicroBatch",
@@ -46,9 +64,12 @@ __all__ = [
     "plan_digest",
 ]
 
-SCHEMA_VERSION = 2
-#: Plan JSON versions ``from_dict`` reads: 1 (rings only, before head parallelism) and 2.
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: Plan JSON versions ``from_dict`` reads: 1 (rings only, before head parallelism), 2 (head
+#: splits, power-of-two menus) and 3 (menus shaped by the machine, named placement rule).
+READABLE_VERSIONS = (1, 2, 3)
+#: The placement rule of version 3 plans (the only one; see ``dyncp.menu``).
+PLACEMENT = "domain"
 
 
 class PlanError(ValueError):
@@ -105,27 +126,29 @@ def plan_digest(plan: StepPlan) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 @dataclass(frozen=True, slots=True)
 class Topology:
     """The ranks a plan schedules and what each can hold.
 
     Args:
         world: number of ranks on the DP x CP axis.
-        ranks_per_node: ranks sharing a node; groups larger than this cross the node boundary.
-            ``world`` is a multiple of it (whole nodes) or at most it (one node, partly used).
+        ranks_per_node: ranks sharing one NVLink domain (a node, or a whole NVL72 rack);
+            ``world`` is a multiple of it (whole domains) or at most it (one domain, partly
+            used).
         capacity: tokens per rank one micro-batch may hold (after zigzag padding).
-        group_sizes: allowed CP sizes; default every power of two up to ``world``.
+        group_sizes: the menu of allowed CP sizes: any sizes the placement rules of
+            ``dyncp.menu`` allow (inside one domain, or whole domains), e.g.
+            ``menu_sizes("divisors", world=576, ranks_per_node=72)``. Default: every power of
+            two dividing ``world`` that the rules allow (the sizes dyncp always used).
         head_sizes: allowed head-parallel degrees u of a group (u ranks exchange heads by
-            all-to-all, ``size // u`` form the ring); powers of two, 1 always included.
+            all-to-all, ``size // u`` form the ring); 1 always included. A group of c may use u
+            when u divides c and its head blocks stay inside a domain (``split_allowed``).
             Default ``(1,)``: rings only.
         query_heads, kv_heads: the model's attention heads; required (> 0) when a head size
             above 1 is allowed, since u must divide the query heads, and the KV heads must be
             divisible by u or divide it (KV heads fewer than u are replicated: rank j of a
             head group holds KV head ``j // (u // kv_heads)``). 0: not given.
+        placement: the placement rule's name; ``"domain"``, the only one (``dyncp.menu``).
     """
 
     world: int
@@ -135,8 +158,14 @@ class Topology:
     head_sizes: tuple[int, ...] = (1,)
     query_heads: int = 0
     kv_heads: int = 0
+    placement: str = PLACEMENT
 
     def __post_init__(self) -> None:
+        if self.placement != PLACEMENT:
+            raise ValueError(
+                f"Topology.placement {self.placement!r} unknown; the placement rule is "
+                f"{PLACEMENT!r} (see dyncp.menu)"
+            )
         for name in ("world", "ranks_per_node", "capacity"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -148,17 +177,16 @@ class Topology:
                 "(or a single node's ranks, world <= ranks_per_node)"
             )
         if not self.group_sizes:
-            sizes = tuple(
-                1 << k for k in range(self.world.bit_length()) if self.world % (1 << k) == 0
+            sizes = menu_sizes(
+                "powers-of-two", world=self.world, ranks_per_node=self.ranks_per_node
             )
-            object.__setattr__(self, "group_sizes", sizes)
-        sizes = tuple(sorted(set(int(s) for s in self.group_sizes)))
-        bad = [s for s in sizes if not _is_power_of_two(s) or s > self.world or self.world % s]
-        if bad:
-            raise ValueError(
-                f"Topology.group_sizes {bad} not allowed: each size must be a power of two that "
-                f"divides world={self.world}"
-            )
+        else:
+            try:
+                sizes = check_sizes(
+                    self.group_sizes, world=self.world, ranks_per_node=self.ranks_per_node
+                )
+            except ValueError as exc:
+                raise ValueError(f"Topology.group_sizes: {exc}") from None
         object.__setattr__(self, "group_sizes", sizes)
         self._check_heads()
 
@@ -168,13 +196,21 @@ class Topology:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Topology.{name} must be an integer >= 0, got {value!r}")
         heads = tuple(sorted({1, *(int(u) for u in self.head_sizes)}))
-        bad = [u for u in heads if not _is_power_of_two(u) or u > self.max_group_size]
+        bad = [u for u in heads if u < 1 or u > self.max_group_size]
         if bad:
             raise ValueError(
-                f"Topology.head_sizes {bad} not allowed: each must be a power of two no larger "
-                f"than the largest group size {self.max_group_size}"
+                f"Topology.head_sizes {bad} not allowed: each must be in [1, largest group size "
+                f"{self.max_group_size}]"
             )
         object.__setattr__(self, "head_sizes", heads)
+        unused = [u for u in heads if not any(u in self.splits(c) for c in self.group_sizes)]
+        if unused:
+            raise ValueError(
+                f"Topology.head_sizes {unused} split no allowed group: a group of c ranks may "
+                "split u ways when u divides c and each head block of u ranks stays inside one "
+                f"domain of {self.domain} ranks or spans whole domains (group sizes "
+                f"{list(self.group_sizes)})"
+            )
         if heads == (1,):
             return
         q, kv = self.query_heads, self.kv_heads
@@ -195,6 +231,21 @@ class Topology:
     @property
     def max_group_size(self) -> int:
         return self.group_sizes[-1]
+
+    @property
+    def domain(self) -> int:
+        """Ranks of one NVLink domain on this axis (``min(ranks_per_node, world)``)."""
+        return domain_size(self.world, self.ranks_per_node)
+
+    def placements(self, size: int) -> tuple[int, ...]:
+        """First ranks of the blocks a group of ``size`` may occupy (``dyncp.menu``)."""
+        return placements(size, world=self.world, ranks_per_node=self.ranks_per_node)
+
+    def is_placement(self, start: int, size: int) -> bool:
+        """Whether ``[start, start + size)`` is a block the rules allow for an allowed size."""
+        return size in self.group_sizes and is_placement(
+            start, size, world=self.world, ranks_per_node=self.ranks_per_node
+        )
 
     def memory_tokens(self, lengths: Sequence[int], cp: int) -> int:
         """Tokens per rank of a micro-batch of ``lengths`` at CP size ``cp`` (padding included)."""
@@ -220,7 +271,11 @@ class Topology:
 
     def splits(self, size: int) -> tuple[int, ...]:
         """Head-parallel degrees u a group of ``size`` ranks may use (u divides size)."""
-        return tuple(u for u in self.head_sizes if size % u == 0)
+        return tuple(
+            u
+            for u in self.head_sizes
+            if split_allowed(size, u, world=self.world, ranks_per_node=self.ranks_per_node)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -231,6 +286,7 @@ class Topology:
             "head_sizes": list(self.head_sizes),
             "query_heads": self.query_heads,
             "kv_heads": self.kv_heads,
+            "placement": self.placement,
         }
 
 
@@ -366,11 +422,14 @@ class StepPlan:
                 f"allowed sizes are {list(topo.group_sizes)}",
                 (group.start,),
             )
-        if group.start % group.size or not 0 <= group.start <= topo.world - group.size:
+        if not topo.is_placement(group.start, group.size):
+            starts = topo.placements(group.size)
+            shown = ", ".join(map(str, starts[:8])) + (", ..." if len(starts) > 8 else "")
             raise PlanError(
                 "group-alignment",
-                f"wave {w}: group of size {group.size} starts at rank {group.start}; it must start "
-                f"at a multiple of {group.size} within world {topo.world}",
+                f"wave {w}: group of size {group.size} starts at rank {group.start}; groups of "
+                f"{group.size} may start at ranks {shown} (inside one domain of {topo.domain} "
+                f"ranks, or on whole domains; world {topo.world})",
                 (group.start,),
             )
         clash = [r for r in group.ranks if r in used]
@@ -470,6 +529,12 @@ class StepPlan:
         if _depth(data) > MAX_JSON_DEPTH:
             raise PlanError("decode", f"plan JSON nests deeper than {MAX_JSON_DEPTH} levels")
         t = _field(data, "topology", dict, "plan")
+        if version >= 3 and t.get("placement") != PLACEMENT:
+            raise PlanError(
+                "decode",
+                f"plan topology placement {t.get('placement')!r} not supported (readable: "
+                f"{PLACEMENT!r})",
+            )
         try:
             topo = Topology(
                 _int(_field(t, "world", int, "topology"), "topology.world"),

@@ -173,3 +173,40 @@ def test_exhaustive_optimum_by_hand() -> None:
     assert optimum([a, b], topo, model) == min(apart, serial)
     best_one = min(model.microbatch_seconds(c, [10]) for c in (1, 2, 4)) + model.wave_overhead
     assert optimum([10], topo, model) == best_one
+
+
+@st.composite
+def menu_batches(draw: st.DrawFn) -> tuple[Topology, list[int]]:
+    """Menus beyond powers of two: one domain of 6 (2, 3, 5, 6: 5 leaves a rank out), domains
+    of 3 (3 and 6 = two whole domains), one of 12 (3, 4, 6, 12)."""
+    world, rpn, sizes = draw(
+        st.sampled_from(
+            [(6, 6, (1, 2, 3, 5, 6)), (6, 3, (1, 3, 6)), (12, 12, (1, 3, 4, 6, 12))]
+        )
+    )
+    capacity = draw(st.sampled_from([64, 100, 256]))
+    topo = Topology(world, rpn, capacity, sizes)
+    longest = topo.max_length()
+    length = st.one_of(
+        st.just(1), st.just(longest), st.integers(1, capacity), st.integers(1, longest)
+    )
+    return topo, draw(st.lists(length, min_size=1, max_size=3 if world == 12 else 4))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=menu_batches(), kind=st.sampled_from(["reference", "quadratic", "flexsp"]))
+@example(case=(Topology(6, 6, 64, (1, 2, 3, 5, 6)), [320, 190, 100, 7]), kind="reference")
+@example(case=(Topology(12, 12, 100, (1, 3, 4, 6, 12)), [1200, 350, 40]), kind="quadratic")
+def test_bounds_never_above_the_optimum_on_menus(
+    case: tuple[Topology, list[int]], kind: str
+) -> None:
+    """The bounds' proofs use only that a wave's groups hold disjoint ranks (at most W) and that
+    every size is on the menu, never that sizes are powers of two: the exhaustive optimum over
+    the menu (waves of at most W ranks, a relaxation of the placement rules, so at most the
+    optimum of placeable plans) is never below either bound."""
+    topo, lengths = case
+    model = any_model(kind, topo.ranks_per_node)
+    best = optimum(lengths, topo, model)
+    simple = lower_bound(np.asarray(lengths), topo, model)
+    lp = lp_lower_bound(np.asarray(lengths), topo, model)
+    assert simple * (1 - REL) <= lp.seconds <= best * (1 + REL), (lp, best)

@@ -268,8 +268,13 @@ def test_bad_constructor_arguments() -> None:
         Metrics(policies=())
     with pytest.raises(ValueError, match="distinct"):
         Metrics(policies=("a", "a"))
-    with pytest.raises(ValueError, match="power of two"):
-        Metrics(cp_sizes=(3,))
+    with pytest.raises(ValueError, match="positive"):
+        Metrics(cp_sizes=(0,))
+    menu = Metrics(cp_sizes=(1, 3, 6))  # a menu beyond powers of two labels its own sizes
+    menu._cp_label(6)
+    menu._cp_label(8)
+    with pytest.raises(ValueError, match="neither a power of two nor one of"):
+        menu._cp_label(5)
 
 
 def test_observe_step_needs_planner_stats() -> None:

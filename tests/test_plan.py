@@ -153,19 +153,19 @@ def test_topology_rejects_bad_integers(field: str, value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "sizes", "bad"),
+    ("world", "rpn", "sizes", "bad"),
     [
-        (6, (1, 3), 3),  # divides world, not a power of two
-        (12, (1, 6), 6),
-        (4, (1, 8), 8),  # larger than world
-        (24, (1, 16), 16),  # power of two, does not divide world
-        (8, (0, 2), 0),
-        (8, (-2, 2), -2),
+        (6, 2, (1, 3), 3),  # larger than a domain of 2, not whole domains
+        (12, 4, (1, 6), 6),
+        (4, 2, (1, 8), 8),  # larger than world
+        (24, 6, (1, 16), 16),  # straddles domains of 6
+        (8, 2, (0, 2), 0),
+        (8, 2, (-2, 2), -2),
     ],
 )
-def test_topology_rejects_bad_group_sizes(world: int, sizes: tuple, bad: int) -> None:
+def test_topology_rejects_bad_group_sizes(world: int, rpn: int, sizes: tuple, bad: int) -> None:
     with pytest.raises(ValueError, match=r"Topology\.group_sizes") as info:
-        Topology(world=world, ranks_per_node=2, capacity=100, group_sizes=sizes)
+        Topology(world=world, ranks_per_node=rpn, capacity=100, group_sizes=sizes)
     assert f"[{bad}]" in str(info.value)
 
 
@@ -264,6 +264,7 @@ def test_topology_to_dict() -> None:
         "head_sizes": [1],
         "query_heads": 0,
         "kv_heads": 0,
+        "placement": "domain",
     }
     assert Topology(**topo.to_dict()) == topo
 
@@ -573,7 +574,7 @@ def test_optional_fields_default() -> None:
     assert back.waves == valid_plan().waves
 
 
-@pytest.mark.parametrize("version", [None, 0, 3, "1", True])
+@pytest.mark.parametrize("version", [None, 0, 4, "1", True])
 def test_bad_schema_version(version: object) -> None:
     data = valid_plan().to_dict()
     if version is None:
@@ -982,7 +983,7 @@ def test_rings_only_topology_refuses_any_split() -> None:
     ("kwargs", "message"),
     [
         ({"head_sizes": (1, 2)}, "query_heads and kv_heads must be given"),
-        ({"head_sizes": (1, 3), "query_heads": 6, "kv_heads": 3}, "power of two"),
+        ({"head_sizes": (1, 3), "query_heads": 6, "kv_heads": 3}, "split no allowed group"),
         ({"head_sizes": (16,), "query_heads": 16, "kv_heads": 16}, "largest group size 8"),
         ({"head_sizes": (4,), "query_heads": 6, "kv_heads": 2}, "do not fit the heads"),
         ({"head_sizes": (4,), "query_heads": 12, "kv_heads": 6}, "do not fit the heads"),

@@ -527,3 +527,20 @@ def test_cli_progress_is_printed_when_stderr_is_not_a_terminal(
 ) -> None:
     _, _, err = run_cli(tmp_path, capsys, "--policies", "static")
     assert "steps 3/3 (100%)" in err
+
+
+def test_cli_group_size_menus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--group-sizes: a menu kind or a list, in the report; sizes the rules refuse, named."""
+    six = ["--world", "12", "--ranks-per-node", "6", "--capacity", "512", "--max-length", "3072"]
+    out = tmp_path / "menu.json"
+    argv = [*six, "--steps", "2", "--policies", "dyncp", "--json", str(out)]
+    assert main([*argv, "--group-sizes", "divisors"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["group_sizes"] == [1, 2, 3, 6, 12]
+    assert "group sizes [1, 2, 3, 6, 12]" in capsys.readouterr().out
+    assert main([*argv, "--group-sizes", "1,3,6"]) == 0
+    assert json.loads(out.read_text())["config"]["group_sizes"] == [1, 3, 6]
+    capsys.readouterr()
+    err = cli_error(capsys, *six, "--group-sizes", "1,4,8")  # 8 straddles nodes of 6
+    assert "[8] not allowed" in err
+    assert "divisors" in cli_error(capsys, "--group-sizes", "primes")

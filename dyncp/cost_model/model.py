@@ -174,6 +174,13 @@ class CostModel:
 
         From ``communication.links`` when the profile lists them (the entry of that size, else of
         the next larger size listed: never an optimistic guess), else intra- or inter-node.
+
+        Any size of a menu (``dyncp.menu``): ``ranks_per_node`` is the NVLink domain, and the
+        placement rules put a group of ``cp <= ranks_per_node`` inside one domain (the
+        ``intra_node`` link: NVLink, whether cp divides the domain or not -- 3, 9, 64 on an
+        NVL72) and a larger one on whole domains (``inter_node``). A table measured at some sizes
+        prices a size it lacks (3, 6, 12) with the next larger measured size: a figure that was
+        measured (on a ring at least as large), never an interpolated one.
         """
         comm = self.profile.communication
         if self._links:

@@ -25,7 +25,10 @@ Why it is valid:
 - a plan runs each sequence at one CP size c, so both bounds hold for that c at once, hence the
   minimum over c of their maximum, for every sequence;
 - the same holds for pairs of the longest-running sequences (``_pair_bound``): two groups whose
-  sizes add up to more than W share a rank, so their micro-batches run one after the other.
+  sizes add up to more than W share a rank, so their micro-batches run one after the other;
+- none of this assumes sizes that are powers of two or a particular placement: c ranges over the
+  topology's menu, and groups of one wave hold disjoint ranks whatever the placement rules
+  (``dyncp.menu``), which only remove plans. So the bound holds for any menu.
 
 DESIGN.md's first draft charged ceil(tokens / (W * capacity)) whole waves; that is not a bound when
 a group may run several micro-batches in one wave, so the fractional micro-batch form is used.

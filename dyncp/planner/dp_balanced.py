@@ -86,12 +86,13 @@ def dp_balanced_plan(
     lengths = np.asarray(lengths, dtype=np.int64)
     if cp not in topology.group_sizes:
         raise ValueError(f"CP size {cp} is not allowed; allowed: {topology.group_sizes}")
-    dp = topology.world // cp
+    starts = topology.placements(cp)
+    dp = len(starts)
     packs = dp_balanced_packs(
         lengths, cp=cp, dp=dp, capacity=topology.capacity, max_sequences=max_sequences
     )
     groups = tuple(
-        Group(d * cp, cp, tuple(MicroBatch(tuple(p)) for p in packs[d::dp]))
+        Group(starts[d], cp, tuple(MicroBatch(tuple(p)) for p in packs[d::dp]))
         for d in range(min(dp, len(packs)))
     )
     return StepPlan(

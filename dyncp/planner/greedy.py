@@ -38,7 +38,7 @@ from dyncp.plan import StepPlan, Topology, Wave
 from dyncp.planner.assignment import Assignment
 from dyncp.planner.costs import SequenceCosts
 from dyncp.planner.local_search import improve
-from dyncp.planner.packing import lpt, pack_ffd, place_groups
+from dyncp.planner.packing import lpt, pack_ffd, place_waves
 from dyncp.planner.structure import Structure, StructureSearch
 
 __all__ = ["greedy_plan", "GreedyConstructor"]
@@ -652,12 +652,16 @@ class GreedyConstructor:
         return self.assemble([[(g[0], g[1]) for g in gs if g[1]] for gs in waves])
 
     def assemble(self, specs: list[list[tuple[int, list[int]]]]) -> StepPlan:
-        """A StepPlan from per-wave (CP size, sequence ids) groups: FFD micro-batches, aligned."""
+        """A StepPlan from per-wave (CP size, sequence ids) groups: FFD micro-batches on allowed
+        blocks (a wave whose groups do not fit the blocks at once continues in the next wave)."""
         topo = self.topology
         waves = tuple(
-            Wave(place_groups([(c, pack_ffd(ids, self.lengths, c, topo)) for c, ids in spec], topo))
+            Wave(groups)
             for spec in specs
             if spec
+            for groups in place_waves(
+                [(c, pack_ffd(ids, self.lengths, c, topo)) for c, ids in spec], topo
+            )
         )
         return StepPlan(topo, tuple(int(s) for s in self.lengths), waves, policy="dyncp")
 

@@ -85,6 +85,12 @@ open node whose fixings agree with P, with T = S - o):
   are slower than the serial plan (each sequence alone at its fastest size, one wave each),
   whose node is feasible. So the least open value is at most S.
 
+Any menu (``dyncp.menu``): c ranges over ``topology.group_sizes`` and the only use of where groups
+sit is that groups running at once hold disjoint ranks, at most W in a wave. Neither needs sizes
+that are powers of two, nor aligned blocks; the placement rules only remove plans, so the bound
+holds for every menu (tests/test_lp_bound_exact.py checks it against the exhaustive optimum on
+menus of 3, 5, 6 and 12).
+
 The ``TOP`` longest (by least time alone) free sequences are branched on first, whatever the LP
 does with them. A node that fixes the sizes of a set H of them (each h at size c_h, time alone
 a_h, rank-seconds r_h) also gets the wave-holding bound of H: the least, over every way a plan

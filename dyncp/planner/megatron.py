@@ -27,13 +27,14 @@ multiple of 2c per sequence, so plans validate), and groups are laid out on alig
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, Wave, padded_length
 from dyncp.planner.bound import min_cp_sizes
-from dyncp.planner.packing import place_groups
+from dyncp.planner.packing import place_waves
 
 __all__ = [
     "megatron_plan",
@@ -41,6 +42,7 @@ __all__ = [
     "WaveGroup",
     "full_world_wave",
     "WORKLOAD_CAP_DELTA",
+    "powers_of_two",
 ]
 
 WORKLOAD_CAP_DELTA = 0.05
@@ -212,10 +214,31 @@ def plan_wave_by_wave(
     waves = []
     while remaining:
         groups, remaining = form_wave(remaining, lengths, min_cp, topology)
-        waves.append(Wave(place_groups([(g.size, [g.ids]) for g in groups], topology)))
+        placed = place_waves([(g.size, [g.ids]) for g in groups], topology)
+        waves += [Wave(gs) for gs in placed]
     return StepPlan(topology, tuple(int(s) for s in lengths), tuple(waves), policy=policy)
 
 
+def powers_of_two(topology: Topology) -> Topology:
+    """The topology with only the menu's powers of two: Megatron's CP sizes are powers of two
+    (its rule, kept in the baseline whatever menu dyncp gets).
+
+    Raises:
+        ValueError: the menu holds no power of two (nothing for Megatron to use).
+    """
+    sizes = tuple(c for c in topology.group_sizes if c & (c - 1) == 0)
+    if not sizes:
+        raise ValueError(
+            f"Megatron's CP sizes are powers of two; the menu {list(topology.group_sizes)} "
+            "holds none"
+        )
+    if sizes == topology.group_sizes:
+        return topology
+    return replace(topology, group_sizes=sizes, head_sizes=(1,))
+
+
 def megatron_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
-    """Plan a step the way Megatron Core's dynamic-CP scheduler would."""
-    return plan_wave_by_wave(lengths, topology, _form_wave, "megatron")
+    """Plan a step the way Megatron Core's dynamic-CP scheduler would (powers of two only)."""
+    plan = plan_wave_by_wave(lengths, powers_of_two(topology), _form_wave, "megatron")
+    plan.topology = topology
+    return plan

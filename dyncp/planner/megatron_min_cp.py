@@ -28,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, padded_length
-from dyncp.planner.megatron import plan_wave_by_wave
+from dyncp.planner.megatron import plan_wave_by_wave, powers_of_two
 
 __all__ = ["megatron_min_cp_plan", "BALANCE_DELTA", "BUCKET_SLACK"]
 
@@ -122,6 +122,8 @@ def _form_wave(
         smallest = min(g.size for g in groups)
         group = next(g for g in groups if g.size == smallest)
         grown = min(2 * smallest, world)
+        if grown not in topology.group_sizes or grown - smallest > free:
+            break  # a world that is not a power of two: the rest stays idle this wave
         free -= grown - smallest
         group.size = grown
     return groups, leftovers
@@ -129,4 +131,6 @@ def _form_wave(
 
 def megatron_min_cp_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
     """Plan a step the way Megatron Core's June 2026 dynamic-CP scheduler would."""
-    return plan_wave_by_wave(lengths, topology, _form_wave, "megatron-min-cp")
+    plan = plan_wave_by_wave(lengths, powers_of_two(topology), _form_wave, "megatron-min-cp")
+    plan.topology = topology
+    return plan

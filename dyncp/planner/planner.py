@@ -48,7 +48,15 @@ from dyncp.planner.lp_bound import lp_lower_bound
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
-__all__ = ["Planner", "POLICIES", "ALL_POLICIES", "HYBRID_POLICY", "BOUNDS", "Improver"]
+__all__ = [
+    "Planner",
+    "POLICIES",
+    "ALL_POLICIES",
+    "HYBRID_POLICY",
+    "BOUNDS",
+    "Improver",
+    "nested_core",
+]
 
 #: Policies that run rings only (every group u = 1).
 POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
@@ -60,6 +68,18 @@ BOUNDS = ("tight", "simple")
 Improver = Callable[[StepPlan, CostModel], StepPlan]
 
 log = logging.getLogger(__name__)
+
+
+def nested_core(topology: Topology) -> Topology | None:
+    """The topology on the menu's powers of two when the menu's sizes do not nest (some size
+    does not divide the next), else None: what ``Planner`` also constructs on such a menu."""
+    sizes = topology.group_sizes
+    if all(b % a == 0 for a, b in zip(sizes, sizes[1:])):
+        return None
+    core = tuple(c for c in sizes if c & (c - 1) == 0)
+    if len(core) < 2:
+        return None
+    return Topology(topology.world, topology.ranks_per_node, topology.capacity, core)
 
 
 class Planner:
@@ -186,8 +206,44 @@ class Planner:
             return megatron_plan(lengths, topo), None
         if self.policy == HYBRID_POLICY:
             return self._construct_hybrid(lengths, deadline)
+        core = nested_core(topo)
+        if core is not None:
+            return self._construct_menu(lengths, core, deadline)
         greedy = GreedyConstructor(lengths, topo, model)
         return greedy.best(deadline=deadline), greedy
+
+    def _construct_menu(
+        self, lengths: np.ndarray, core: Topology, deadline: float | None
+    ) -> tuple[StepPlan, GreedyConstructor]:
+        """A menu whose sizes do not nest (``dyncp.menu``: 8 and 9 on an NVL72): two
+        constructions, each with half of the time, one on the menu and one on its powers of two
+        (which nest); the faster wins, as a plan of the menu's topology.
+
+        The search is heuristic, so a larger menu can lead it elsewhere; with its powers of two
+        constructed too, dyncp on a menu is never slower than dyncp on those powers of two in
+        deterministic mode (the same construction); with a wall-clock deadline, than that
+        construction with half the time. The powers of two are skipped when they cannot hold
+        the batch's longest sequence.
+        """
+        half = None
+        if deadline is not None:
+            now = time.perf_counter()
+            half = now + max(deadline - now, 0.0) / 2
+        menu = GreedyConstructor(lengths, self.topology, self.model)
+        plan = menu.best(deadline=half)
+        if len(lengths) and core.min_cp(int(lengths.max())) is None:
+            return plan, menu
+        nested = GreedyConstructor(lengths, core, self.model)
+        other = nested.best(deadline=deadline)
+        menu.tried += nested.tried
+        if evaluate_plan(other, self.model).step_seconds < evaluate_plan(
+            plan, self.model
+        ).step_seconds:
+            other.topology = self.topology
+            other.stats["construction"] = "powers-of-two"
+            return other, menu
+        plan.stats["construction"] = "menu"
+        return plan, menu
 
     def _construct_hybrid(
         self, lengths: np.ndarray, deadline: float | None

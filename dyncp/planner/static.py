@@ -36,11 +36,12 @@ def static_cp_size(max_length: int, topology: Topology) -> int:
 def fixed_cp_plan(
     lengths: np.ndarray, topology: Topology, model: CostModel, cp: int, policy: str = "static"
 ) -> StepPlan:
-    """One wave of W/cp groups of size ``cp``, FFD-packed micro-batches balanced by LPT."""
+    """One wave of groups of size ``cp`` on every block the topology allows (W/cp when cp divides
+    the domain), FFD-packed micro-batches balanced by LPT."""
     lengths = np.asarray(lengths, dtype=np.int64)
     batches = pack_ffd(range(len(lengths)), lengths, cp, topology)
     costs = [model.microbatch_seconds(cp, lengths[mb]) for mb in batches]
-    n_groups = topology.world // cp
+    n_groups = len(topology.placements(cp))
     owner = lpt(costs, n_groups)
     per_group: list[list[list[int]]] = [[] for _ in range(n_groups)]
     for b in sorted(range(len(batches)), key=lambda b: (-costs[b], b)):

@@ -34,6 +34,7 @@ from dyncp.datasets import (
     load_lengths,
     resolve_dataset,
 )
+from dyncp.menu import MENU_KINDS, menu_sizes
 from dyncp.metrics import Exporter, Metrics
 from dyncp.plan import StepPlan
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
@@ -83,13 +84,29 @@ def _head_sizes(text: str) -> tuple[int, ...]:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated powers of two such as 1,2,4,8, got {text!r}"
+            f"expected comma-separated positive integers such as 1,2,4,8, got {text!r}"
         ) from None
-    if not sizes or any(u < 1 or u & (u - 1) for u in sizes):
+    if not sizes or any(u < 1 for u in sizes):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated powers of two such as 1,2,4,8, got {text!r}"
+            f"expected comma-separated positive integers such as 1,2,4,8, got {text!r}"
         )
     return tuple(sorted({1, *sizes}))
+
+
+def _group_sizes(text: str) -> str | tuple[int, ...]:
+    """A menu kind (``dyncp.menu.MENU_KINDS``) or comma-separated sizes."""
+    if text in MENU_KINDS:
+        return text
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(c < 1 for c in sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected {' or '.join(MENU_KINDS)} or comma-separated positive sizes such as "
+            f"1,2,3,6,12, got {text!r}"
+        )
+    return tuple(sorted(set(sizes)))
 
 
 def _port(text: str) -> int:
@@ -161,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="head-parallel degrees a group may use (u ranks exchange heads by all-to-all, the "
         "rest form the ring), e.g. 1,2,4,8; the dyncp-hybrid policy chooses among them "
         "(default 1: rings only)",
+    )
+    p.add_argument(
+        "--group-sizes",
+        type=_group_sizes,
+        default="powers-of-two",
+        metavar="MENU",
+        help="the menu of CP sizes: powers-of-two (default: those dividing the world that fit "
+        "the placement rules), divisors (divisors of --ranks-per-node, the NVLink domain, and "
+        "whole-domain multiples), or a list such as 1,2,3,4,6,8,12 (see dyncp.menu)",
     )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
     p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
@@ -270,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve_dataset(args.dataset)
         raw = load_lengths(path, args.column)
         model = CostModel.load(args.profile, args.ranks_per_node)
+        sizes = (
+            menu_sizes(args.group_sizes, world=args.world, ranks_per_node=args.ranks_per_node)
+            if isinstance(args.group_sizes, str)
+            else args.group_sizes
+        )
         planners = {
             name: Planner(
                 model,
@@ -279,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 policy=name,
                 max_length=args.max_length,
                 head_sizes=args.head_sizes,
+                group_sizes=sizes,
             )
             for name in policies
         }
@@ -364,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "policies": policies,
             "head_sizes": list(args.head_sizes),
+            "group_sizes": list(planners[policies[0]].topology.group_sizes),
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),
@@ -372,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.steps} steps, {report['mean_batch_documents']:.0f} documents/step, "
         f"world {args.world} ({args.ranks_per_node}/node), capacity {args.capacity}, "
-        f"profile {model.name}"
+        f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}"
     )
     print(format_table(summary))
     if args.json is not None:
