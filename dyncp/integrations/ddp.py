@@ -64,15 +64,20 @@ class DDPRunner:
         *,
         labels_per_sequence: Sequence[int] | None = None,
         synchronize: Callable[[], None] | None = None,
+        agree: bool = True,
     ) -> RankReport:
         """Run this rank's share of ``plan``; on return every rank holds the summed gradients.
 
         The arguments are those of :func:`dyncp.runtime.execute`. Collective on DDP's process
         group, which must be the pool's DP x CP axis.
 
+        Whatever ``execute`` raises passes through; then no reduction runs (the local
+        gradients stay). ``agree=False`` as in ``execute``.
+
         Raises:
             ValueError: DDP's process group is not on the pool's ranks.
-            Whatever ``execute`` raises; then no reduction runs (the local gradients stay).
+            StepFailed: also from the reduction, when a rank failed the step in a group this
+                rank was not in (``execute`` has no barrier between waves).
         """
         model = self.model
         group = model.process_group
@@ -91,6 +96,7 @@ class DDPRunner:
                 step_fn,
                 labels_per_sequence=labels_per_sequence,
                 synchronize=synchronize,
+                agree=agree,
             )
-        reduce_gradients(model.module, group)
+        reduce_gradients(model.module, group, pool=pool)
         return report

@@ -91,6 +91,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dyncp.integrations.axis import check_same_ranks
 from dyncp.plan import StepPlan
 from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
+from dyncp.runtime.reduce import naming_failures
 
 __all__ = ["FSDPRunner"]
 
@@ -168,17 +169,21 @@ class FSDPRunner:
         *,
         labels_per_sequence: Sequence[int] | None = None,
         synchronize: Callable[[], None] | None = None,
+        agree: bool = True,
     ) -> RankReport:
         """Run this rank's share of ``plan``; on return the sharded parameters hold the gradients.
 
         The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh, which
         must be the pool's DP x CP axis. ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
 
+        Whatever ``execute`` raises (PlanMismatchError, PlanError, StepFailed) passes through;
+        then no gradient is written, the parameters are resharded locally (no collective) and
+        the accumulated gradients are dropped. ``agree=False`` as in ``execute``.
+
         Raises:
             ValueError: the FSDP mesh is not on the pool's ranks.
-            Whatever ``execute`` raises (PlanMismatchError, PlanError, StepFailed); then no
-            gradient is written, the parameters are resharded locally (no collective) and the
-            accumulated gradients are dropped.
+            StepFailed: also from the reduce-scatter, when a rank failed the step in a group
+                this rank was not in (``execute`` has no barrier between waves).
         """
         for unit in self._units:
             check_same_ranks(unit.group, pool, what="the FSDP mesh")
@@ -190,11 +195,13 @@ class FSDPRunner:
                 step_fn,
                 labels_per_sequence=labels_per_sequence,
                 synchronize=synchronize,
+                agree=agree,
             )
+            with naming_failures(pool):
+                self._reduce(buffers)
         except BaseException:
             self._finish()
             raise
-        self._reduce(buffers)
         self._finish()
         return report
 

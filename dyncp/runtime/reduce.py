@@ -25,12 +25,13 @@ from dyncp.runtime.executor import reduction_failed
 from dyncp.runtime.failures import is_communication_error
 from dyncp.runtime.group_pool import GroupPool
 
-__all__ = ["reduce_gradients", "reduce_loss"]
+__all__ = ["naming_failures", "reduce_gradients", "reduce_loss"]
 
 
 @contextlib.contextmanager
-def _naming_failures(pool: GroupPool | None) -> Iterator[None]:
-    """Turn a communication error of the reduction into StepFailed naming the culprit."""
+def naming_failures(pool: GroupPool | None) -> Iterator[None]:
+    """Turn a communication error of a reduction after ``execute`` into StepFailed naming the
+    rank that failed the last call (no-op without a pool); for reductions of one's own."""
     entered, entered_wall = time.monotonic(), time.time()
     try:
         yield
@@ -53,7 +54,7 @@ def reduce_gradients(
             ``execute`` call (named, see the module docstring).
     """
     grads = {}
-    with _naming_failures(pool):
+    with naming_failures(pool):
         for name, param in model.named_parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -77,6 +78,6 @@ def reduce_loss(
         total = torch.stack(list(losses)).sum()
     else:
         total = torch.zeros((), dtype=dtype, device=device)
-    with _naming_failures(pool):
+    with naming_failures(pool):
         dist.all_reduce(total, group=group)
     return total
