@@ -203,3 +203,30 @@ def test_bad_use_is_refused_with_a_clear_error() -> None:
         causal_lm_loss(ring, ctx, packed[:5])
     with pytest.raises(ValueError, match="already registered"):
         register_ring_attention("sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama", WINDOWED])
+def test_a_padding_mask_is_refused_before_any_layer(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transformers builds no mask for an attention it has no mask function for, so a padding
+    mask would be dropped (logits as without it); dyncp registers one that refuses it, before
+    the first layer attends. An all-ones mask masks nothing and gives the unmasked logits."""
+    lengths = (4, 3)
+    ctx = _context(lengths)
+    inputs = shard_inputs(ctx, torch.cat(tokens_for(lengths, 0)))
+    del inputs["labels"]
+    ring = make_model(family, register_ring_attention())
+    plain = ring(**inputs, use_cache=False, ring_layout=ctx.layout).logits
+    ones = torch.ones_like(inputs["input_ids"])
+    same = ring(**inputs, attention_mask=ones, use_cache=False, ring_layout=ctx.layout).logits
+    assert torch.equal(same, plain)
+    padded = ones.clone()
+    padded[0, -2:] = 0
+
+    def no_layer(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a layer attended before the mask was refused")
+
+    monkeypatch.setattr("dyncp.integrations.hf.ring_attention", no_layer)
+    with pytest.raises(ValueError, match=r"no padding mask.*masks out 2 position"):
+        ring(**inputs, attention_mask=padded, use_cache=False, ring_layout=ctx.layout)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 try:
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "dyncp.integrations.hf needs transformers: pip install 'dyncp[hf]'"
@@ -61,6 +62,7 @@ __all__ = [
     "causal_lm_loss",
     "register_ring_attention",
     "ring_attention_forward",
+    "ring_attention_mask",
     "shard_inputs",
 ]
 
@@ -72,7 +74,10 @@ def register_ring_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     """Register :func:`ring_attention_forward` in transformers' attention registry.
 
     Registration is global to the process (every model whose config names ``name`` uses it) and
-    idempotent. Call it on every rank before building or switching the model.
+    idempotent. Call it on every rank before building or switching the model. The name is also
+    registered as a mask implementation (:func:`ring_attention_mask`): transformers drops the
+    mask of an attention it has no mask function for, so without it a padding mask passed to the
+    model would be silently ignored instead of refused.
 
     Returns:
         ``name``, to pass as ``attn_implementation``.
@@ -83,13 +88,44 @@ def register_ring_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     taken = AttentionInterface._global_mapping.get(name)
-    if name == "eager" or (taken is not None and taken is not ring_attention_forward):
+    masked = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    if (
+        name == "eager"
+        or (taken is not None and taken is not ring_attention_forward)
+        or (masked is not None and masked is not ring_attention_mask)
+    ):
         raise ValueError(
-            f"attention implementation {name!r} is already registered as {taken!r}; "
-            f"choose another name (default {ATTN_IMPLEMENTATION!r})"
+            f"attention implementation {name!r} is already registered as "
+            f"{taken if taken is not None else masked!r}; choose another name "
+            f"(default {ATTN_IMPLEMENTATION!r})"
         )
     AttentionInterface.register(name, ring_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ring_attention_mask)
     return name
+
+
+def ring_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """The mask transformers builds for ring attention: none, because the layout says which
+    token belongs to which sequence and the kernels apply causality themselves.
+
+    Transformers calls this once per forward, before the first layer (so before any ring
+    communicates), with the user's 2-D padding mask as ``attention_mask`` (bool). A mask with a
+    padded position would mean some tokens are not to be attended to; ring attention would
+    attend to them, training a different model, so it is refused. An all-ones mask (what a
+    tokenizer returns for an unpadded row) says nothing and is accepted.
+
+    Raises:
+        ValueError: ``attention_mask`` masks out a position.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padded = int((~attention_mask.bool()).sum())
+        raise ValueError(
+            f"dyncp ring attention takes no padding mask: attention_mask of shape "
+            f"{tuple(attention_mask.shape)} masks out {padded} position(s). Pack the "
+            f"micro-batch's sequences without padding (causal_lm_loss and shard_inputs pad "
+            f"through the layout) and pass attention_mask=None (an all-ones mask is accepted)"
+        )
+    return None
 
 
 def ring_attention_forward(
