@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.planner.planner import ALL_POLICIES, POLICIES
 from dyncp.sim.__main__ import main
-from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batches
+from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batch_indices, draw_batches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +150,9 @@ def test_draw_batches_by_tokens(n: int, steps: int, seed: int, budget: int) -> N
     assert len(set(tail)) == len(tail)
     again = list(draw_batches(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
     assert [b.tolist() for b in again] == [b.tolist() for b in batches]
+    # The indices behind the batches (what examples use to name the rows they train on).
+    rows = list(draw_batch_indices(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
+    assert [lengths[r].tolist() for r in rows] == [b.tolist() for b in batches]
 
 
 @settings(max_examples=40, deadline=None)

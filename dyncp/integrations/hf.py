@@ -38,12 +38,14 @@ logits to fp32 unconditionally, which would make an fp64 check of exactness impo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dyncp.ring_attention import RingLayout, ring_attention
+from dyncp.plan import PlanError, StepPlan
+from dyncp.ring_attention import HybridLayout, RingLayout, ring_attention
 from dyncp.testing.tiny_model import IGNORE, next_token_labels
 
 if TYPE_CHECKING:
@@ -60,10 +62,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "causal_lm_loss",
+    "plan_check",
     "register_ring_attention",
     "ring_attention_forward",
     "ring_attention_mask",
     "shard_inputs",
+    "windowed_layers",
 ]
 
 #: The name under which :func:`register_ring_attention` registers ring attention.
@@ -208,6 +212,50 @@ def ring_attention_forward(
     return out.unsqueeze(0), None
 
 
+def windowed_layers(model: nn.Module) -> list[str]:
+    """Names of ``model``'s attention modules that attend within a sliding window.
+
+    Read from the modules (``sliding_window`` set, as transformers' attention modules do for a
+    ``"sliding_attention"`` layer), since that is what each layer passes to the attention.
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(module, "sliding_window", None) is not None
+    ]
+
+
+def plan_check(model: nn.Module) -> Callable[[StepPlan], None]:
+    """A check of each step's plan against ``model``, for ``execute(..., plan_check=...)``.
+
+    Ring attention's windowed path runs on plain rings only, so a model with sliding-window
+    layers cannot run a group that splits its heads (``Group.heads`` > 1). ``execute`` calls the
+    check on every rank after the plan is agreed and validated and before any ring collective,
+    so such a plan makes every rank raise the same PlanError instead of failing in its first
+    windowed layer after the layers before it have communicated.
+    """
+    windowed = windowed_layers(model)
+
+    def check(plan: StepPlan) -> None:
+        if not windowed:
+            return
+        split = [
+            (w, g) for w, wave in enumerate(plan.waves) for g in wave.groups if g.heads > 1
+        ]
+        if split:
+            w, g = split[0]
+            raise PlanError(
+                "head-split-window",
+                f"{len(split)} group(s) split heads, first in wave {w}: ranks "
+                f"{g.start}..{g.start + g.size - 1} as heads {g.heads} x ring {g.ring}; the model "
+                f"has {len(windowed)} sliding-window layer(s) ({windowed[0]}, ...), which run on "
+                f"plain rings only: plan with head_sizes=(1,)",
+                tuple(g.start for _, g in split),
+            )
+
+    return check
+
+
 def shard_inputs(
     ctx: MicroBatchContext, tokens: torch.Tensor, labels: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -276,6 +324,15 @@ def causal_lm_loss(
         raise ValueError(
             f"the model's attention implementation is {impl!r}; build it with "
             f"attn_implementation=register_ring_attention() (or set_attn_implementation)"
+        )
+    if isinstance(ctx.layout, HybridLayout) and windowed_layers(model):
+        # Every rank of the group raises here, before its first all-to-all (execute refuses
+        # such a plan before any collective when given plan_check(model)).
+        raise ValueError(
+            f"this micro-batch's group splits heads ({ctx.layout.heads} x ring "
+            f"{ctx.layout.ring.cp}) but the model has sliding-window layers "
+            f"({', '.join(windowed_layers(model)[:2])}), which run on plain rings only; plan "
+            f"with head_sizes=(1,) and pass execute(..., plan_check=plan_check(model))"
         )
     inputs = shard_inputs(ctx, tokens, labels)
     out = model(

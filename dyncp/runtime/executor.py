@@ -200,6 +200,7 @@ def execute(
     *,
     labels_per_sequence: Sequence[int] | None = None,
     synchronize: Callable[[], None] | None = None,
+    plan_check: Callable[[StepPlan], None] | None = None,
 ) -> RankReport:
     """Run this rank's share of ``plan``.
 
@@ -209,12 +210,15 @@ def execute(
         step_fn: forward + backward of one micro-batch; called with its context.
         labels_per_sequence: label tokens of each sequence (default: length - 1).
         synchronize: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+        plan_check: called with the plan on every rank after the checks below and before any
+            ring collective; raises (PlanError) to refuse a plan the model cannot run, e.g.
+            ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed layers).
 
     Raises:
         PlanMismatchError: some rank holds another plan, or is at another ``execute`` call (on
             every rank, before any other collective, naming the ranks and the digests).
-        PlanError: the plan breaks the contract or needs a group the pool lacks (before any
-            ring collective, identically on every rank).
+        PlanError: the plan breaks the contract, needs a group the pool lacks or fails
+            ``plan_check`` (before any ring collective, identically on every rank).
         StepFailed: a rank failed the step (on every rank within twice the pool's timeout,
             naming it and its error where known).
     """
@@ -235,6 +239,8 @@ def execute(
         culprit = board.culprit(-1, suspects=None, until=until, label=label)
         raise StepFailed(culprit.message, culprit.ranks) from exc
     _check(plan, pool)
+    if plan_check is not None:
+        plan_check(plan)
     labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
     if len(labels) != len(plan.lengths):
         raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
