@@ -2,7 +2,7 @@
 
     python bench/head_split_bench.py [--steps 20] [--profile h100-reference]
 
-Scenarios: the README's four (bundled Wikipedia and WLB-LLM samples, 64 ranks, 8 per node,
+Scenarios: the policy tables' four (bundled Wikipedia and WLB-LLM samples, 64 ranks, 8 per node,
 capacities 8192 and 16384, max length 131072, 2 x world x capacity tokens per step) and two where
 more groups cross nodes (4 ranks per node; capacity 4096). Per scenario and policy: mean
 predicted step seconds, speedup over static, mean and max gap to the tight lower bound (the bound

@@ -1,4 +1,6 @@
-"""The README's policy tables: every policy on both shared length distributions, one run.
+"""The policy tables: every policy on both shared length distributions, one run.
+
+Shown in docs/reproductions/policy-tables.md.
 
     python bench/policy_tables.py [--steps 20] [--out sim/results]
 

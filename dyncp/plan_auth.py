@@ -8,11 +8,15 @@ sealed with an HMAC-SHA256 over the key and the body::
 
     dyncp-hmac-sha256 <64 hex digits> <body>
 
-The key is part of the MAC, so a signed plan cannot be replayed at another step's key. A reader
-with the secret accepts only records that carry a valid MAC for their own key; anything else is a
-:class:`PlanError` (rule ``"signature"``) that the reader counts and answers with the step's
-deterministic fallback. Without a secret, records are the bare bodies and a warning says, once
-per process, that the channel is unauthenticated.
+The key is part of the MAC, so a signed plan cannot be replayed at another step's key. So is the
+run (``run``: an id that differs between runs of the same job, see ``DynamicCPSampler``), so a
+record from an earlier run of the same job -- same secret, same prefix, same keys -- does not
+verify in this one. A reader with the secret accepts only records that carry a valid MAC for
+their own key and run; anything else is a :class:`PlanError` (rule ``"signature"``) that the
+reader counts and answers with the step's deterministic fallback. Without a secret, records are
+the bare bodies and a warning says, once per process, that the channel is unauthenticated.
+Either way a record longer than ``MAX_RECORD_BYTES`` is refused (rule ``"size"``) before it is
+checked or decoded.
 
 A body is either plan JSON or a fallback record: ``FALLBACK``, optionally followed by a space and
 a short suffix (e.g. ``FALLBACK v3``, the cost-model version the fallback is priced with). The
@@ -31,6 +35,8 @@ from dyncp.plan import PlanError
 
 __all__ = [
     "FALLBACK",
+    "MAX_RECORD_BYTES",
+    "RUN_ENV",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "PlanSigner",
@@ -41,6 +47,10 @@ __all__ = [
 FALLBACK = b"FALLBACK"
 SECRET_ENV = "DYNCP_PLAN_SECRET"
 SECRET_FILE_ENV = "DYNCP_PLAN_SECRET_FILE"
+#: The run id given by the launcher (the same on every process of one run, new for each run).
+RUN_ENV = "DYNCP_RUN_ID"
+#: Longest record accepted: 64 MiB (a plan of 131,072 sequences on 16,384 ranks is ~6.5 MB).
+MAX_RECORD_BYTES = 64 << 20
 #: Shortest secret accepted: 16 bytes (128 bits), the HMAC key length below which it is weak.
 MIN_SECRET_BYTES = 16
 _TAG = b"dyncp-hmac-sha256 "
@@ -61,12 +71,13 @@ class PlanSigner:
 
     Args:
         secret: the per-job secret; None reads it from the environment (see :meth:`from_env`).
+        run: the run the records belong to (part of every MAC; "" binds to no run).
 
     Raises:
         ValueError: a secret shorter than 16 bytes, or an unreadable secret file.
     """
 
-    def __init__(self, secret: bytes | str | None) -> None:
+    def __init__(self, secret: bytes | str | None, *, run: str = "") -> None:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
@@ -74,10 +85,13 @@ class PlanSigner:
                 f"the plan secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
                 "(e.g. 32 random bytes from the launcher)"
             )
+        if not isinstance(run, str) or "\0" in run:
+            raise ValueError(f"run must be a string without NUL bytes, got {run!r}")
         self._secret = secret
+        self.run = run
 
     @classmethod
-    def from_env(cls, secret: bytes | str | None = None) -> PlanSigner:
+    def from_env(cls, secret: bytes | str | None = None, *, run: str = "") -> PlanSigner:
         """The given secret, else ``$DYNCP_PLAN_SECRET``, else the file ``$DYNCP_PLAN_SECRET_FILE``.
 
         Without any, the signer is unauthenticated and a warning says so (once per process).
@@ -100,7 +114,7 @@ class PlanSigner:
                 UnauthenticatedPlansWarning,
                 stacklevel=1,  # one location: Python's default filter shows it once per process
             )
-        return cls(secret)
+        return cls(secret, run=run)
 
     @property
     def authenticated(self) -> bool:
@@ -109,6 +123,8 @@ class PlanSigner:
     def _mac(self, key: str, body: bytes) -> bytes:
         assert self._secret is not None
         msg = key.encode() + b"\0" + body
+        if self.run:  # records of no run keep the form they always had
+            msg = b"run " + self.run.encode() + b"\0" + msg
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
 
     def seal(self, key: str, body: bytes) -> bytes:
@@ -121,9 +137,14 @@ class PlanSigner:
         """The body of the record found at ``key``.
 
         Raises:
-            PlanError: (rule ``"signature"``) with a secret: the record is unsigned, malformed,
-                or its MAC does not match this key and body.
+            PlanError: (rule ``"size"``) the record is longer than ``MAX_RECORD_BYTES``;
+                (rule ``"signature"``) with a secret: the record is unsigned, malformed, or its
+                MAC does not match this key, run and body.
         """
+        if len(record) > MAX_RECORD_BYTES:
+            raise PlanError(
+                "size", f"the record at {key} has {len(record)} bytes (at most {MAX_RECORD_BYTES})"
+            )
         if self._secret is None:
             if record.startswith(_TAG):  # signed by a service that has a secret; cannot check
                 return record[len(_TAG) + _MAC_HEX + 1 :]

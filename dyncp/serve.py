@@ -15,19 +15,26 @@ pricing plans with it (readers' fallbacks name the version they use), and with
 ``--save-profile`` writes the calibrated profile after each adopted refit.
 
 Plans are signed with the job's secret when ``DYNCP_PLAN_SECRET`` (or ``DYNCP_PLAN_SECRET_FILE``)
-is set, as on every rank. A startup error (bad option, dataset, profile, unreachable store) is one
-line on stderr and exit status 2; if the Store or the planning thread dies while serving, one
-line says why and the exit status is 1.
+is set, as on every rank, and bound to the run given by ``--run-id`` (default
+``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``. A startup error (bad option, dataset,
+profile, unreachable store, or a port that accepts connections but does not answer like a
+TCPStore within ``--connect-timeout``) is one line on stderr and exit status 2 -- torch's own
+connection warnings are held back while connecting; SIGINT/SIGTERM stop the connecting too
+(status 130). If the Store or the planning thread dies while serving, one line says why and the
+exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import NoReturn
 
@@ -44,34 +51,48 @@ from dyncp.service import PlanService
 
 #: How often the main thread checks that the planning thread is alive.
 WATCH_SECONDS = 0.2
+#: The longest --connect-timeout accepted (an hour; torch's timedelta overflows near 1e308).
+MAX_CONNECT_SECONDS = 3600.0
+#: The longest --time-limit / --duration accepted (a year of seconds: finite for every clock).
+MAX_SECONDS = 3.2e7
+#: Extra seconds the connecting thread gets beyond --connect-timeout before we give up on it.
+CONNECT_GRACE = 1.0
+_CONNECT_THREAD = "dyncp-store-connect"
 
 
 class StartupError(Exception):
     """A problem found before serving; ``main`` prints it as one line."""
 
 
-def _count(minimum: int):  # noqa: ANN202 - an argparse type
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived before serving began."""
+
+
+def _count(minimum: int, maximum: int | None = None):  # noqa: ANN202 - an argparse type
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
         return value
 
     return parse
 
 
-def _seconds(*, zero: bool):  # noqa: ANN202 - an argparse type
+def _seconds(*, zero: bool, maximum: float = MAX_SECONDS):  # noqa: ANN202 - an argparse type
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not (value >= 0 if zero else value > 0) or value == float("inf"):
+        if not (value >= 0 if zero else value > 0) or not value <= maximum:
             bound = ">= 0" if zero else "> 0"
-            raise argparse.ArgumentTypeError(f"expected finite seconds {bound}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected seconds {bound} and at most {maximum:g}, got {text!r}"
+            )
         return value
 
     return parse
@@ -87,7 +108,9 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _OneLineParser(prog="python -m dyncp.serve", description=__doc__.splitlines()[0])
     p.add_argument("--host", required=True, help="host of the job's TCPStore")
-    p.add_argument("--port", type=_count(1), required=True, help="port of the job's TCPStore")
+    p.add_argument(
+        "--port", type=_count(1, 65535), required=True, help="port of the job's TCPStore"
+    )
     p.add_argument("--prefix", default="default", help="the samplers' prefix= (job namespace)")
     p.add_argument("--dataset", required=True, help="lengths file or bundled name (as the job)")
     p.add_argument("--column", default=None, help="column/key holding the lengths")
@@ -112,7 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--duration", type=_seconds(zero=True), default=0.0, help="stop after N s (0: never)"
     )
-    p.add_argument("--connect-timeout", type=_seconds(zero=False), default=60.0)
+    p.add_argument(
+        "--connect-timeout", type=_seconds(zero=False, maximum=MAX_CONNECT_SECONDS), default=60.0
+    )
+    p.add_argument(
+        "--run-id",
+        default=os.environ.get("DYNCP_RUN_ID", ""),
+        help="the ranks' run_id (default $DYNCP_RUN_ID): records are bound to it",
+    )
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
     p.add_argument("--refit-every", type=int, default=64, help="micro-batches between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
@@ -122,14 +152,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="dyncp.serve: %(message)s")
-    try:
-        service = _start(args)
-    except StartupError as exc:
-        print(f"dyncp.serve: error: {exc}", file=sys.stderr, flush=True)
-        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        service = _start(args, stop)
+    except StartupError as exc:
+        print(f"dyncp.serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Interrupted:
+        print("dyncp.serve: interrupted before serving", file=sys.stderr, flush=True)
+        return 130
     end = None if not args.duration else time.monotonic() + args.duration
     status = 0
     while not stop.wait(WATCH_SECONDS):
@@ -160,19 +193,69 @@ def _one_line(what: object) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _start(args: argparse.Namespace) -> PlanService:
+def _start(args: argparse.Namespace, stop: threading.Event) -> PlanService:
     """Everything before serving; any problem is a StartupError that names it."""
     try:
-        return _build(args)
+        return _build(args, stop)
     except (DatasetError, ValueError, OSError) as exc:  # ProfileError is a ValueError
         raise StartupError(_one_line(exc)) from None
-    except RuntimeError as exc:  # torch's store errors (DistNetworkError, DistStoreError)
+    except RuntimeError as exc:  # torch's store errors once connected (DistStoreError)
         raise StartupError(
-            f"cannot reach the job's TCPStore at {args.host}:{args.port}: {_one_line(exc)}"
+            f"the job's TCPStore at {args.host}:{args.port} failed: {_one_line(exc)}"
         ) from None
 
 
-def _build(args: argparse.Namespace) -> PlanService:
+@contextlib.contextmanager
+def _held_stderr() -> Iterator[None]:
+    """Hold back what C++ writes to file descriptor 2 (torch's connection retries log dozens of
+    lines per attempt); the one-line error is printed after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:
+    """A client of the job's TCPStore, connected within --connect-timeout (plus a grace), or
+    a StartupError; a signal stops the wait (Interrupted).
+
+    The connection runs in a daemon thread: torch's constructor can block far past its timeout
+    on a port that accepts and never answers, and ignores signals meanwhile.
+    """
+    result: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            timeout = timedelta(seconds=args.connect_timeout)
+            result["store"] = dist.TCPStore(args.host, args.port, is_master=False, timeout=timeout)
+        except Exception as exc:  # torch's store errors (DistNetworkError, DistStoreError, ...)
+            result["error"] = exc
+
+    where = f"the job's TCPStore at {args.host}:{args.port}"
+    thread = threading.Thread(target=connect, name=_CONNECT_THREAD, daemon=True)
+    end = time.monotonic() + args.connect_timeout + CONNECT_GRACE
+    with _held_stderr():
+        thread.start()
+        while thread.is_alive() and time.monotonic() < end and not stop.is_set():
+            thread.join(0.05)
+    if "store" in result:
+        return result["store"]  # type: ignore[return-value]
+    if stop.is_set():
+        raise Interrupted
+    if "error" in result:
+        raise StartupError(f"cannot reach {where}: {_one_line(result['error'])}")
+    raise StartupError(
+        f"cannot reach {where}: no answer within --connect-timeout {args.connect_timeout:g} s "
+        "(something accepts connections on that port but does not answer like a TCPStore)"
+    )
+
+
+def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
     model = CostModel.load(args.profile, ranks_per_node=args.ranks_per_node)
     topology = Topology(args.world, args.ranks_per_node, args.capacity)
     planner = Planner(
@@ -194,9 +277,7 @@ def _build(args: argparse.Namespace) -> PlanService:
         global_batch_size=args.global_batch_size,
         drop_last=args.drop_last,
     )
-    store = dist.TCPStore(
-        args.host, args.port, is_master=False, timeout=timedelta(seconds=args.connect_timeout)
-    )
+    store = _connect(args, stop)
     calibration = None
     if args.calibrate:
         calibrator = OnlineCalibrator(
@@ -212,6 +293,7 @@ def _build(args: argparse.Namespace) -> PlanService:
         prefix=args.prefix,
         lookahead=args.lookahead,
         calibration=calibration,
+        run_id=args.run_id,
     )
     service.start()
     print(
@@ -224,4 +306,10 @@ def _build(args: argparse.Namespace) -> PlanService:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if any(t.name == _CONNECT_THREAD and t.is_alive() for t in threading.enumerate()):
+        # A connection attempt still blocked in C++: interpreter shutdown could wait on it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

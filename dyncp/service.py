@@ -7,24 +7,31 @@ it runs over a ``torch.distributed.Store`` (the job's TCPStore); no process grou
 
 Store protocol (keys under ``dyncp/<prefix>/``)::
 
-    cursor              "<epoch> <step>": written by every reader when it starts needing a step
+    cursor              "<epoch> <step>": written by reader rank 0 (one writer) when it starts
+                        needing a step, sealed like the plans
     e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
                         the plan JSON (by the service) or FALLBACK (by a reader whose deadline
-                        passed first), sealed with the job's secret (``dyncp.plan_auth``)
+                        passed first), sealed with the job's secret and run (``dyncp.plan_auth``)
 
 Each step key is a one-shot register: the first writer wins and nothing rewrites it, so every rank
-reads the same value however late the plan and however differently the ranks time out. A plan
-that arrives after a reader wrote FALLBACK is counted late (``ServiceCounters.late``) and unused.
-The service plans the steps ``cursor .. cursor + lookahead`` (spilling into epoch + 1 at the end of
-an epoch). Reader rank 0 deletes step keys ``keep_steps`` behind it, so the Store stays bounded
-(what stays: the last ``keep_steps`` keys, and at most ``lookahead`` keys of an epoch + 1 that a
-job never runs).
+reads the same value however late the plan and however differently the ranks time out. Every
+genuine decision is non-empty; an empty value (which ``compare_set(key, "", ...)`` cannot tell
+from an absent key) is no decision, so a reader that finds one offers its fallback in its place
+and takes whatever the register then holds. A plan that arrives after a reader wrote FALLBACK is
+counted late (``ServiceCounters.late``) and unused. The service plans the steps ``cursor ..
+cursor + lookahead`` (spilling into epoch + 1 at the end of an epoch), following the cursor where
+rank 0 last put it, forward or back. Reader rank 0 deletes step keys ``keep_steps`` behind it, so
+the Store stays bounded (what stays: the last ``keep_steps`` keys, and at most ``lookahead`` keys
+of an epoch + 1 that a job never runs).
 
 Anything can be written at these keys by any client of the Store: readers decode every value
-totally (a StepPlan or a PlanError, never a crash), reject unsigned or wrongly signed records when
-the job has a secret, and fall back deterministically, counting why. A cursor that is not two
-non-negative integers is a counted service error; the service keeps serving. When the Store
-itself fails the service thread stops and says why (``PlanService.failure``).
+totally (a StepPlan or a PlanError, never a crash), reject unsigned or wrongly signed records, or
+records of another run, when the job has a secret, and fall back deterministically, counting why.
+A cursor that is not two non-negative integers (or, with a secret, not sealed for this run) is a
+counted service error, logged at most once per ``BAD_CURSOR_LOG_SECONDS``; the service keeps
+serving. Without a secret a forged cursor is followed until rank 0 writes its next one (one
+step). When the Store itself fails the service thread stops and says why
+(``PlanService.failure``).
 
 Readers poll ``store.check`` rather than block in ``store.wait(keys, timeout)``: a timed-out wait
 logs C++ warnings on every fallback, and a blocked wait holds the client's connection.
@@ -68,8 +75,8 @@ __all__ = [
     "step_key",
 ]
 
-#: A cursor this many steps behind the service's is a restarted job, not a lagging rank.
-CURSOR_RESET_STEPS = 64
+#: Bad cursors are logged at most once in this many seconds (with the count since the last line).
+BAD_CURSOR_LOG_SECONDS = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +194,7 @@ class PlanService:
         secret: the per-job secret that signs each record (default: from the environment,
             see :class:`dyncp.plan_auth.PlanSigner`); without one a warning says the channel is
             unauthenticated.
+        run_id: the run the records are bound to (the readers' ``run_id``).
 
     Attributes:
         failure: why the service thread stopped on its own (the Store failed), else None.
@@ -206,6 +214,7 @@ class PlanService:
         poll_seconds: float = 0.002,
         secret: bytes | str | None = None,
         calibration: ServiceCalibration | None = None,
+        run_id: str = "",
     ) -> None:
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
@@ -217,8 +226,9 @@ class PlanService:
         self.lookahead = lookahead
         self.poll_seconds = poll_seconds
         self.counters = ServiceCounters()
-        self.signer = PlanSigner.from_env(secret)
+        self.signer = PlanSigner.from_env(secret, run=run_id)
         self.failure: BaseException | None = None
+        self._bad_logged = (-BAD_CURSOR_LOG_SECONDS, 0)  # (when, bad_cursors then)
         self._cursor: tuple[int, int] | None = None
         self._done: set[tuple[int, int]] = set()
         self._stop = threading.Event()
@@ -276,28 +286,33 @@ class PlanService:
         if not self.store.check([key]):
             return self._cursor
         raw = self.store.get(key)
-        seen = _parse_cursor(raw)
+        try:
+            seen = _parse_cursor(self.signer.open(key, raw))
+            why = "expected '<epoch> <step>' (integers >= 0)"
+        except PlanError as exc:
+            seen, why = None, str(exc)
         if seen is None:
-            self.counters.errors += 1
-            self.counters.bad_cursors += 1
-            self.counters.last_error = f"bad cursor {raw[:40]!r}"
-            log.warning("ignoring cursor %r: expected '<epoch> <step>' (integers >= 0)", raw[:40])
+            self._bad_cursor(raw, why)
             return self._cursor
-        # Readers differ by a few steps and each writes where it is: follow the furthest one,
-        # unless the cursor went far back (a restarted job).
-        if self._cursor is None or seen > self._cursor or self._behind(seen) > CURSOR_RESET_STEPS:
-            self._cursor = seen  # type: ignore[assignment]
+        self._cursor = seen  # one writer (reader rank 0): its latest position, forward or back
         return self._cursor
 
-    def _behind(self, seen: tuple[int, ...]) -> float:
-        """Steps from ``seen`` to the service's cursor (inf when more than an epoch apart)."""
-        assert self._cursor is not None
-        (e, s), (ce, cs) = seen, self._cursor
-        if e == ce:
-            return cs - s
-        if e == ce - 1:
-            return cs + self.source.num_steps(e) - s
-        return float("inf")
+    def _bad_cursor(self, raw: bytes, why: str) -> None:
+        """Count a bad cursor; log it at most once per BAD_CURSOR_LOG_SECONDS."""
+        self.counters.errors += 1
+        self.counters.bad_cursors += 1
+        self.counters.last_error = f"bad cursor {raw[:40]!r}: {why}"
+        now = time.monotonic()
+        when, before = self._bad_logged
+        if now - when >= BAD_CURSOR_LOG_SECONDS:
+            log.warning(
+                "ignoring cursor %r: %s (%d bad cursors so far, %d since the last line)",
+                raw[:40],
+                why,
+                self.counters.bad_cursors,
+                self.counters.bad_cursors - before,
+            )
+            self._bad_logged = (now, self.counters.bad_cursors)
 
     def publish(self, epoch: int, step: int) -> bool:
         """Plan one step and offer it; True when it became the step's decision."""
@@ -377,6 +392,7 @@ class PlanClient:
         keep_steps: rank 0 deletes the key of the step this many steps behind it.
         secret: the per-job secret records must be signed with (default: from the environment);
             with one, unsigned or wrongly signed records are rejected (fallback, counted).
+        run_id: the run records must be bound to (the service's ``run_id``).
     """
 
     def __init__(
@@ -392,6 +408,7 @@ class PlanClient:
         keep_steps: int = 64,
         secret: bytes | str | None = None,
         models: ModelChannel | None = None,
+        run_id: str = "",
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
@@ -408,7 +425,7 @@ class PlanClient:
         self.deadline = deadline
         self.late_deadline = late_deadline
         self.keep_steps = keep_steps
-        self.signer = PlanSigner.from_env(secret)
+        self.signer = PlanSigner.from_env(secret, run=run_id)
         self._missed = False
         self._consumed: deque[str] = deque()
 
@@ -416,13 +433,15 @@ class PlanClient:
         """The plan of one step: the published one, or the same fallback on every rank."""
         key = step_key(self.prefix, epoch, step)
         ids, lengths = self.source.batch(epoch, step)
-        self.store.set(_cursor_key(self.prefix), f"{epoch} {step}")
+        if self.rank == 0:  # one writer: the service follows rank 0
+            cursor = _cursor_key(self.prefix)
+            self.store.set(cursor, self.signer.seal(cursor, f"{epoch} {step}".encode()))
         ready = self.store.check([key])
         if ready:
             value: bytes | None = self.store.get(key)
         else:
             value = self._poll(key, self.late_deadline if self._missed else self.deadline)
-        if value is None:
+        if not value:  # none by the deadline, or an empty value: no decision (module docstring)
             value = self.store.compare_set(key, "", self.signer.seal(key, self._fallback_body()))
         self._forget_old(key)
         try:

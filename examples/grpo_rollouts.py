@@ -20,6 +20,7 @@ training time, and the cost model's predicted step time for the dyncp plan and f
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
+from dyncp.runtime import GroupPool, execute, job_timeout, reduce_gradients, reduce_loss
 from dyncp.sampler import OnlinePlanner
 from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.rollouts import RolloutLengths
@@ -78,7 +79,8 @@ def main() -> None:
                   for i, n in zip(ids, lengths)}
         return ids, lengths, tokens
 
-    group = dist.new_group(backend="gloo")  # used by the planning thread only
+    span = datetime.timedelta(seconds=job_timeout())  # the job's timeout, not torch's 30 minutes
+    group = dist.new_group(backend="gloo", timeout=span)  # used by the planning thread only
     rows = []
     with OnlinePlanner(planner, rank=rank, group=group) as online:
         batch = generate()

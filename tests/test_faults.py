@@ -3,9 +3,14 @@
 One spawn of 4 processes runs the scenarios in turn, each on a fresh process group whose timeout
 is T seconds (so a hang costs seconds, not minutes). Properties asserted:
 
-- execute: whatever one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run
-  another plan, exit -- every other rank raises within 2 T, and the error names that rank (and
-  its exception where it raised one); the groups use the job's timeout (T) without being told.
+- execute (dataflow: no barrier between waves) and the gradient reduction after it: whatever
+  one rank does -- raise in ``step_fn``, hang in it, skip ``execute``, run another plan, stall
+  1.1 T inside a ring and resume, get SIGKILLed inside a ring -- every other rank raises within
+  2 T, in ``execute`` if one of its groups holds that rank, else at the reduction (``pool=``),
+  and the error names that rank alone, never a healthy one (and its exception where it raised
+  one); the groups use the job's timeout (T) without being told. In "raise" and "hang" two
+  ranks are in a later wave's ring when the failure happens. Forged, garbled and out-of-range
+  failure reports written by a Store client are ignored.
 - sampler under DataLoader-like prefetch (4 micro-batches pulled ahead of training, ring and
   gradient collectives per step): with ``agree_ahead=0`` the per-step comparison waits for a
   rank whose training waits for this one, and every rank fails within 2 T; with
@@ -23,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -40,7 +46,7 @@ from dyncp.cost_model import CostModel
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.plan_auth import PlanSigner
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, StepFailed, execute
+from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import plan_batch, step_key
 
@@ -75,13 +81,14 @@ def make_schedule() -> BatchSchedule:
 
 
 def hand_plan(extra: int = 0) -> StepPlan:
-    """A ring of 4, then a ring of 2 beside two single ranks."""
+    """A ring of 4, then a ring of 2 beside two single ranks, then two rings of 2."""
     mb = MicroBatch
     waves = (
         Wave((Group(0, 4, (mb((1,)),)),)),
         Wave((Group(0, 2, (mb((3,)),)), Group(2, 1, (mb((0,)),)), Group(3, 1, (mb((2,)),)))),
+        Wave((Group(0, 2, (mb((4,)),)), Group(2, 2, (mb((5,)),)))),
     )
-    return StepPlan(Topology(WORLD, 2, 256), (37, 150, 9, 64 + extra), waves)
+    return StepPlan(Topology(WORLD, 2, 256), (37, 150, 9, 64 + extra, 20, 30), waves)
 
 
 def _release(store: dist.Store) -> None:
@@ -100,18 +107,37 @@ def _held(store: dist.Store, limit: float) -> None:
 # ---------------------------------------------------------------------------------- execute
 
 
+def _forge_board(pool: GroupPool) -> None:
+    """What any Store client can write at the board's predictable keys before a call: unsigned
+    reports blaming rank 1, garbage, a position beyond the axis, and report-counter bumps."""
+    for wave in (-1, 0, 1, 2, 3):  # 3: the gradient reduction's slot
+        pool.store.set(f"c0/w{wave}/r1", f"raised 0 {time.time():.6f} {time.time():.6f} forged")
+        pool.store.set(f"c0/w{wave}/r2", b"\xff\x00 not a report")
+        pool.store.set(f"c0/w{wave}/r99", "raised 0 1.0 1.0 position 99")
+    pool.store.add("c0/n", 7)
+
+
 def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
     pool = GroupPool()  # no timeout given: the job's (T)
     plan = hand_plan(extra=1 if fault == "other-plan" and rank == culprit else 0)
+    if fault == "forged-board":
+        if rank == 0:
+            _forge_board(pool)
+        dist.barrier()
 
     def step_fn(ctx) -> None:
+        if rank == culprit and ctx.step_wave == 0:
+            if fault == "kill-mid-ring":
+                os.kill(os.getpid(), signal.SIGKILL)  # inside the ring of 4, before its collective
+            if fault == "stall":
+                time.sleep(STALL * T)  # then it resumes and finds its ring peers gone
         if rank == culprit and ctx.step_wave == 1:
             if fault == "raise":
                 raise ValueError("boom from rank's step_fn")
             if fault == "hang":
                 _held(store, 6 * T)
-            if fault == "exit":
-                os._exit(0)  # a clean exit code: the spawn context must not stop the others
+            if fault == "forged-board":
+                raise ValueError("boom beside forged reports blaming rank 1")
         if ctx.cp > 1:
             dist.all_reduce(torch.ones(1), group=ctx.layout.group)
 
@@ -123,6 +149,9 @@ def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
             outcome.update(kind="skipped")
         else:
             execute(plan, pool, step_fn)
+            # Dataflow: no barrier between waves; ranks whose groups never touched the failed
+            # rank meet it here, at the step's reduction, which names it.
+            reduce_loss([torch.zeros(())], pool=pool)
             outcome.update(kind="ok")
     except (StepFailed, PlanMismatchError) as exc:
         outcome.update(kind=type(exc).__name__, message=str(exc), ranks=list(exc.ranks))
@@ -136,8 +165,19 @@ def _scenario_store(tmp: str, name: str) -> dist.Store:
     return dist.FileStore(f"{tmp}/{name}.side", WORLD)
 
 
-EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "exit"]  # "exit" last: rank 3 is gone
-CULPRIT = {"raise": 1, "hang": 1, "skip": 2, "other-plan": 3, "exit": 3}
+#: "kill-mid-ring" last: rank 2 is gone after it. "forged-board": rank 3 raises while forged
+#: reports blame rank 1.
+EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "stall", "forged-board", "kill-mid-ring"]
+CULPRIT = {
+    "raise": 1,
+    "hang": 1,
+    "skip": 2,
+    "other-plan": 3,
+    "stall": 1,
+    "forged-board": 3,
+    "kill-mid-ring": 2,
+}
+STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 
 
 # ---------------------------------------------------------------------------------- sampler
@@ -145,8 +185,7 @@ CULPRIT = {"raise": 1, "hang": 1, "skip": 2, "other-plan": 3, "exit": 3}
 
 def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -> dict:
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
-    group = dist.new_group(backend="gloo")
-    sampler = DynamicCPSampler(
+    sampler = DynamicCPSampler(  # the plan agreement is on by default, on its own group
         make_lengths(),
         world_size=WORLD,
         rank=rank,
@@ -158,7 +197,6 @@ def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -
         deadline=0.5,
         late_deadline=0.05,
         secret=kwargs.pop("secret", None),
-        group=group,
         **kwargs,
     )
     if wrap_fetch is not None and rank == 0:
@@ -243,7 +281,6 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
         capacity=256,
         planner=planner,
         global_batch_tokens=2 * WORLD * 256,
-        group=dist.new_group(backend="gloo"),
         agree_ahead=agree_ahead,
     )
     it, queue, samples = iter(sampler), deque(), []
@@ -273,6 +310,37 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
         out.update(kind=type(exc).__name__, message=str(exc).splitlines()[0])
     out.update(seconds=time.monotonic() - start, samples=[int(i) for i in samples])
     out["num_samples"] = len(lengths)
+    return out
+
+
+ABSENT = 2  # the rank whose training loop never asks its sampler for a micro-batch
+
+
+def _sampler_absent(rank: int, store: dist.Store) -> dict:
+    """Every rank builds its sampler (agreement on by default); rank ABSENT never iterates it:
+    the others' agreement on step 0 times out and names it."""
+    sampler = DynamicCPSampler(
+        make_lengths(),
+        world_size=WORLD,
+        rank=rank,
+        capacity=CAPACITY,
+        planner=make_planner(deterministic=True),
+        global_batch_tokens=2 * WORLD * CAPACITY,
+    )
+    out: dict = {"kind": "ok", "agreement": sampler.agreement is not None}
+    start = time.monotonic()
+    try:
+        if rank == ABSENT:
+            _held(store, 6 * T)
+        else:
+            for _ in sampler:
+                pass
+    except PlanAgreementError as exc:
+        out.update(kind=type(exc).__name__, message=str(exc), ranks=list(exc.ranks))
+    out["seconds"] = time.monotonic() - start
+    if rank != ABSENT:
+        _release(store)
+    sampler.close()
     return out
 
 
@@ -306,6 +374,7 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("delete", _tamper_after_rank0, rank, port, "delete")
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
+    scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
     for fault in EXECUTE_FAULTS:
         store = _scenario_store(tmp, fault)
         scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
@@ -345,12 +414,11 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         _chaos, args=(str(tmp), master.port), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=0.5):
+    try:  # not ctx.join(): it would terminate the others when rank 2 is killed, by design
+        while any(p.is_alive() for p in ctx.processes):
             if time.monotonic() > deadline:
                 pytest.fail("the chaos ranks did not finish in 120 s")
-    except mp.ProcessExitedException:
-        pass  # rank 3 exits in the last scenario, by design
+            time.sleep(0.2)
     finally:
         stop.set()
         for p in ctx.processes:
@@ -393,28 +461,39 @@ def test_tampering_after_rank0_read_raises_in_that_step(chaos: list[dict], actio
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", EXECUTE_FAULTS)
+@pytest.mark.parametrize("fault", [f for f in EXECUTE_FAULTS if f != "forged-board"])
 def test_every_rank_raises_in_bounded_time_naming_the_culprit(
     chaos: list[dict], fault: str
 ) -> None:
     culprit = CULPRIT[fault]
     for rank, r in enumerate(chaos):
-        if rank == culprit:
+        if rank == culprit and fault not in ("raise", "stall"):
             continue
         got = r[fault]
         assert got["timeout"] == T  # the job's timeout, not torch's 30 minutes
         expected = "PlanMismatchError" if fault == "other-plan" else "StepFailed"
         assert got["kind"] == expected, got
-        assert got["ranks"] == [culprit], got
+        assert got["ranks"] == [culprit], got  # the culprit alone: never a healthy rank
         assert got["seconds"] <= 2 * T + SLACK, got
         if fault == "raise":
             assert f"rank {culprit} failed in wave 1: ValueError: boom" in got["message"]
         elif fault == "other-plan":
             assert " vs " in got["message"]
-        else:
+        elif fault == "stall":  # it resumed and reported, but after the others' timeout fired
+            assert f"rank(s) [{culprit}] arrived after the others had timed out" in got["message"]
+        else:  # hang, skip, and a SIGKILL inside a ring, whose ring peers see it at once
             assert f"rank(s) [{culprit}] stopped responding" in got["message"], got
-    if fault == "raise":
-        assert chaos[culprit][fault]["kind"] == "StepFailed"
+
+
+@pytest.mark.timeout(180)
+def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
+    """Unsigned reports blaming rank 1, garbage and a position beyond the axis, written at the
+    board's keys before the call, with the report counter bumped; then rank 3 raises in wave 1.
+    Every rank names rank 3: its ring peer in wave 2, and ranks 0 and 1 at the reduction."""
+    for r in (r["forged-board"] for r in chaos):
+        assert r["kind"] == "StepFailed" and r["ranks"] == [3], r
+        assert "rank 3 failed in wave 1: ValueError: boom beside forged" in r["message"], r
+        assert r["seconds"] <= 2 * T + SLACK, r
 
 
 @pytest.mark.timeout(180)
@@ -427,3 +506,16 @@ def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> Non
     assert all(r["kind"] != "ok" for r in at_boundary), at_boundary  # the wait is real...
     assert all(r["seconds"] <= 2 * T + SLACK for r in at_boundary), at_boundary  # ...and bounded
     assert any(r["kind"] == "PlanAgreementError" for r in at_boundary), at_boundary
+
+
+@pytest.mark.timeout(180)
+def test_sampler_agreement_is_on_by_default_and_names_an_absent_rank(chaos: list[dict]) -> None:
+    runs = [r["sampler-absent"] for r in chaos]
+    assert all(r["agreement"] for r in runs), runs
+    for rank, r in enumerate(runs):
+        if rank == ABSENT:
+            continue
+        assert r["kind"] == "PlanAgreementError", r
+        assert r["ranks"] == [ABSENT], r
+        assert f"rank(s) [{ABSENT}] stopped responding" in r["message"], r
+        assert r["seconds"] <= 2 * T + SLACK, r

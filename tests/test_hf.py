@@ -10,7 +10,8 @@ to the largest gradient of each parameter).
 
 Transformers' *eager* attention is not the reference because it computes the softmax in fp32
 (``softmax(..., dtype=torch.float32)``) even for fp64 inputs: it differs from exact attention by
-~1e-7 relative in the gradients, which the README reports beside the SDPA figures.
+~1e-7 relative in the gradients, which docs/guides/huggingface.md reports beside the SDPA
+figures.
 """
 
 from __future__ import annotations

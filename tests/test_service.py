@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -527,6 +529,140 @@ def test_signed_channel_rejects_unsigned_and_foreign_records(master) -> None:
     assert plan_digest(got[0].plan) == plan_digest(plan_batch(fallback, ids, lengths))
 
 
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_forged_cursor_far_ahead_costs_no_step(master, secret: bytes | None) -> None:
+    """A Store client writes the cursor "0 60" while the readers are at step 3: the service
+    follows its one writer (reader rank 0) back at the next step -- or, with a secret, never
+    follows the unsigned value at all -- so no step falls back."""
+    schedule = make_schedule(make_lengths(400))
+    assert schedule.num_steps(0) > 10
+    with PlanService(
+        client(master), source=schedule, planner=make_planner(), prefix="jump", secret=secret
+    ) as service:
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="jump",
+            rank=0,
+            deadline=HANG_SECONDS / 4,
+            secret=secret,
+        )
+        got = read_all(reader, 4)
+        master.set("dyncp/jump/cursor", b"0 60")
+        time.sleep(0.1)  # the service reads it (and, without a secret, plans steps 60..62)
+        got += [read_all_from(reader, step) for step in range(4, 10)]
+    assert [g[1] for g in got] == ["service"] * 10, got
+    if secret is not None:
+        assert service.counters.bad_cursors >= 1  # unsigned: refused, counted
+
+
+def read_all_from(reader: PlanClient, step: int) -> tuple:
+    fetched = reader.fetch(0, step)
+    return plan_digest(fetched.plan), fetched.source, fetched.reason, fetched.ready
+
+
+def test_an_empty_value_is_no_decision(master) -> None:
+    """b"" written at a step key before anything else: compare_set(key, "", v) cannot tell it
+    from an absent key, so it is no decision -- the first reader's fallback replaces it, and a
+    plan published after that is late, never read by a second reader."""
+    schedule = make_schedule(make_lengths())
+    master.set(step_key("empty", 0, 0), b"")
+    readers = [
+        PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="empty",
+            rank=rank,
+            deadline=0.0,
+        )
+        for rank in (0, 1)
+    ]
+    first = readers[0].fetch(0, 0)
+    service = PlanService(
+        client(master),
+        source=schedule,
+        planner=make_planner(policy="static", max_length=WORLD * CAPACITY),
+        prefix="empty",
+    )
+    assert service.publish(0, 0) is False  # the register already holds the fallback
+    second = readers[1].fetch(0, 0)
+    assert (first.source, second.source) == ("fallback", "fallback")
+    assert plan_digest(first.plan) == plan_digest(second.plan)
+    assert service.counters.late == 1
+
+
+def test_records_are_bound_to_their_run(master) -> None:
+    """The same job (secret, prefix, keys) run twice: a signed record of the first run, replayed
+    in the second, does not verify there (rejected, counted, the same fallback everywhere)."""
+    schedule = make_schedule(make_lengths())
+    key = step_key("runs", 0, 0)
+    body = plan_batch(make_planner(), *schedule.batch(0, 0)).to_json().encode()
+    earlier = PlanSigner(SECRET, run="run-1")
+    master.set(key, earlier.seal(key, FALLBACK))  # what the earlier run's reader wrote
+    with pytest.raises(PlanError, match="wrong signature"):
+        PlanSigner(SECRET, run="run-2").open(key, earlier.seal(key, body))
+    assert PlanSigner(SECRET, run="run-1").open(key, earlier.seal(key, body)) == body
+
+    def reader(run: str) -> PlanClient:
+        return PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="runs",
+            rank=1,
+            deadline=0.0,
+            secret=SECRET,
+            run_id=run,
+        )
+
+    replayed = reader("run-2").fetch(0, 0)
+    assert (replayed.source, replayed.reason) == ("fallback", "rejected")
+    assert reader("run-1").fetch(0, 0).reason == "late"  # in its own run it was a decision
+
+
+def test_oversized_records_are_refused_with_or_without_a_secret(master, monkeypatch) -> None:
+    import dyncp.plan_auth as plan_auth
+
+    schedule = make_schedule(make_lengths())
+    body = plan_batch(make_planner(), *schedule.batch(0, 0)).to_json().encode()
+    monkeypatch.setattr(plan_auth, "MAX_RECORD_BYTES", len(body) - 1)
+    for secret in (None, SECRET):
+        key = step_key(f"big{secret is None}", 0, 0)
+        master.set(key, PlanSigner(secret).seal(key, body))
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix=f"big{secret is None}",
+            rank=1,
+            deadline=0.0,
+            secret=secret,
+        )
+        got = reader.fetch(0, 0)
+        assert (got.source, got.reason) == ("fallback", "rejected")
+        with pytest.raises(PlanError, match="bytes"):
+            PlanSigner(secret).open(key, PlanSigner(secret).seal(key, body))
+
+
+def test_a_bad_cursor_rewritten_every_few_ms_logs_one_line(master, caplog) -> None:
+    schedule = make_schedule(make_lengths())
+    with (
+        caplog.at_level("WARNING", logger="dyncp.service"),
+        PlanService(
+            client(master), source=schedule, planner=make_planner(), prefix="noisy", secret=SECRET
+        ) as service,
+    ):
+        for _ in range(100):
+            master.set("dyncp/noisy/cursor", b"abc")
+            time.sleep(0.005)
+        time.sleep(0.05)
+    assert service.alive is False and service.counters.bad_cursors >= 10
+    lines = [r for r in caplog.records if "ignoring cursor" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
 def test_without_a_secret_the_channel_warns_once(monkeypatch) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
@@ -583,6 +719,9 @@ def _serve(*args: str) -> list[str]:
         (["--time-limit", "0"], "--time-limit"),
         (["--world", "12", "--ranks-per-node", "8"], "whole number of nodes"),
         (["--port", "1", "--connect-timeout", "0.5"], "cannot reach the job's TCPStore"),
+        (["--port", "70000"], "--port: expected an integer in [1, 65535]"),
+        (["--connect-timeout", "1e308"], "--connect-timeout: expected seconds > 0 and at most"),
+        (["--time-limit", "inf"], "--time-limit"),
     ],
 )
 def test_serve_startup_errors_are_one_line(
@@ -640,3 +779,59 @@ s = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
 print(s.port, flush=True)
 time.sleep(120)
 """
+
+
+def _silent_port() -> tuple[socket.socket, int]:
+    """A port that accepts connections and never answers (not a TCPStore)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, sock.getsockname()[1]
+
+
+def _serve_process(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
+    np.save(tmp_path / "lengths.npy", make_lengths())
+    args = _serve("--dataset", str(tmp_path / "lengths.npy"), "--port", str(port), *extra)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dyncp.serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("silent", [True, False])
+def test_serve_gives_up_on_a_store_that_never_answers_in_one_line(
+    tmp_path: Path, silent: bool
+) -> None:
+    """A port that accepts and never answers, or one where nothing listens: exit 2 within the
+    connect timeout, and stderr is one line (torch's connection warnings held back)."""
+    sock, port = _silent_port() if silent else (None, 1)
+    try:
+        serve = _serve_process(tmp_path, port, "--connect-timeout", "1")
+        _, err = serve.communicate(timeout=HANG_SECONDS)
+    finally:
+        if sock is not None:
+            sock.close()
+    assert serve.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dyncp.serve: error: cannot reach"), err
+    if silent:
+        assert "does not answer like a TCPStore" in lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_serve_stops_on_sigint_while_connecting(tmp_path: Path) -> None:
+    sock, port = _silent_port()
+    try:
+        serve = _serve_process(tmp_path, port, "--connect-timeout", "600")
+        sock.settimeout(HANG_SECONDS)
+        conn, _ = sock.accept()  # serve is connecting now
+        serve.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=HANG_SECONDS / 2)
+        conn.close()
+    finally:
+        sock.close()
+    assert serve.returncode == 130, err
+    assert err.strip().splitlines() == ["dyncp.serve: interrupted before serving"], err

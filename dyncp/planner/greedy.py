@@ -662,8 +662,8 @@ class GreedyConstructor:
         return StepPlan(topo, tuple(int(s) for s in self.lengths), waves, policy="dyncp")
 
     def candidates(self) -> Iterator[StepPlan]:
-        """Candidate plans, most promising first (measured: notes in the README's planner
-        section), so an anytime caller that stops early has already seen the likely winners."""
+        """Candidate plans, most promising first (measured: notes in docs/planner.md), so an
+        anytime caller that stops early has already seen the likely winners."""
         ideal = self.ideal_seconds()
         first, rest = LEVEL_FACTORS[:EARLY_LEVELS], LEVEL_FACTORS[EARLY_LEVELS:]
         yield from self.structured(self.deadline)

@@ -8,7 +8,7 @@ from dyncp.runtime.executor import (
     execute,
     label_tokens,
 )
-from dyncp.runtime.group_pool import GroupPool
+from dyncp.runtime.group_pool import GroupPool, job_timeout
 from dyncp.runtime.reduce import reduce_gradients, reduce_loss
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "RankReport",
     "StepFailed",
     "execute",
+    "job_timeout",
     "label_tokens",
     "reduce_gradients",
     "reduce_loss",

@@ -17,20 +17,39 @@ multiplies the *sum* of its token losses by it, the gradients summed over all DP
 exactly the gradients of the global batch's mean token loss on one device: every label token is
 counted once, on the one rank whose shard holds it, with the same weight, whatever the CP sizes.
 
+Dataflow: no barrier between waves. A rank runs its groups in wave order, and each group is
+synchronised by its own collectives only (the rings inside ``step_fn``); a rank that finishes a
+group moves on to its next one while other groups are still running, and everyone meets at the
+gradient reduction after ``execute``. Deadlock-free: every rank's groups are ordered by wave,
+and a group's collectives involve its members only. Take the earliest wave holding a group that
+never completes; each of its members has completed its groups of earlier waves (by minimality),
+so all of them reach it, and its collectives then complete -- a contradiction. Communicators of
+different groups never wait on each other in opposite orders on two ranks, because every rank
+issues them in the one wave order (the pattern behind NCCL's multi-communicator deadlocks).
+
 Safety, in the order it happens:
 
 1. One plan per step: before the first collective, the ranks compare (call number, plan digest)
-   in one all_gather on the pool's CPU control group; a rank on another plan or another step
-   makes every rank raise :class:`PlanMismatchError` naming it and the digests.
+   in one all_reduce (``dyncp.agreement``: latency logarithmic in the ranks on NCCL); a rank on
+   another plan or another step makes every rank raise :class:`PlanMismatchError` naming it
+   and the digests. ``agree=False`` skips it when the plan was already compared this step
+   (a :class:`~dyncp.sampler.DynamicCPSampler` with its agreement on does that).
 2. The plan is validated, and every group it needs checked against the pool, before any ring
-   collective, so a wrong plan makes every rank raise the same PlanError instead of hanging.
-3. Between waves the ranks exchange their status (the synchronisation point where group
-   membership changes). A rank whose ``step_fn`` raises leaves its error in the Store and raises
-   at once; the others see it while they wait at the exchange, or after their ring collectives
-   with it time out (the pool's timeout T), and raise :class:`StepFailed` naming it. A rank that
-   hangs, exits or skips ``execute`` is named as the one that stopped responding. Every rank
-   raises within 2 T of the failure. After a StepFailed the pool's groups may hold broken
-   connections: tear the job down (or re-create the process groups) before the next step.
+   collective, so a wrong plan makes every rank raise the same PlanError instead of hanging
+   (``validate=False`` checks this rank's groups only, for plans validated where they were made).
+3. A rank whose ``step_fn`` raises leaves a signed report on the pool's failure board
+   (``dyncp.runtime.failures``) and raises at once. Its group's other members learn of it when
+   their collectives with it fail (the group's timeout T, or at once when its connections
+   close), wait for the group's reports, and raise :class:`StepFailed` naming it (a rank that
+   raised; else one that stayed silent -- hung, exited, skipped ``execute``; else one that
+   arrived after the others' timeout). Ranks in other groups learn of it only when they next
+   need a collective with a failed rank: at the latest at the step's gradient reduction, which
+   :func:`~dyncp.runtime.reduce_gradients` / ``reduce_loss`` turn into the same StepFailed
+   when given ``pool=``. How late: a rank that has finished its groups waits at the reduction
+   for T after it arrived there, so it raises within its remaining share of the step plus 2 T
+   of the failure, never later; it costs no Store request and no collective while the step is
+   healthy. After a StepFailed the pool's groups may hold broken connections: tear the job down
+   (or re-create the process groups) before the next step.
 """
 
 from __future__ import annotations
@@ -40,9 +59,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from dyncp.agreement import PlanAgreementError, PlanMismatchError, agree
+from dyncp.agreement import PendingAgreement, PlanAgreementError, PlanMismatchError
 from dyncp.plan import Group, PlanError, StepPlan, plan_digest
 from dyncp.ring_attention import (
     HybridLayout,
@@ -52,7 +70,12 @@ from dyncp.ring_attention import (
     zigzag_positions,
     zigzag_shard,
 )
-from dyncp.runtime.failures import FailureBoard, is_communication_error
+from dyncp.runtime.failures import (
+    SURVIVOR_WAIT,
+    FailureBoard,
+    is_communication_error,
+    name_after_failed_wait,
+)
 from dyncp.runtime.group_pool import GroupPool
 
 __all__ = [
@@ -143,9 +166,9 @@ class RankReport:
     """Timings of one step on this rank (seconds)."""
 
     timings: list[MicroBatchTiming] = field(default_factory=list)
-    wave_seconds: list[float] = field(default_factory=list)  # wall clock of each wave, sync incl.
-    busy_seconds: float = 0.0
-    idle_seconds: float = 0.0  # waiting at wave boundaries for the slowest group
+    wave_seconds: list[float] = field(default_factory=list)  # this rank's wall clock per wave
+    busy_seconds: float = 0.0  # in step_fn (waiting for group-mates inside collectives included)
+    idle_seconds: float = 0.0  # in execute outside step_fn: agreement, checks, layouts
     step_seconds: float = 0.0
 
     @property
@@ -154,15 +177,19 @@ class RankReport:
         return [(t.wave, t.cp, t.seconds) for t in self.timings]
 
 
-def _check(plan: StepPlan, pool: GroupPool) -> None:
-    plan.validate()
+def _check(plan: StepPlan, pool: GroupPool, *, validate: bool) -> None:
+    if validate:
+        plan.validate()
     if plan.topology.world != pool.world:
         raise PlanError(
             "topology",
             f"plan is for {plan.topology.world} ranks, the pool's DP x CP axis has {pool.world}",
         )
+    me = pool.position
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
+            if not validate and not g.start <= me < g.start + g.size:
+                continue  # not this rank's: its maker validated the plan
             if not pool.has_block(g.start, g.size, g.heads):
                 ranks = list(pool.ranks[g.start : g.start + g.size])
                 split = "" if g.heads == 1 else f" split heads {g.heads} x ring {g.ring}"
@@ -200,16 +227,22 @@ def execute(
     *,
     labels_per_sequence: Sequence[int] | None = None,
     synchronize: Callable[[], None] | None = None,
+    agree: bool = True,
+    validate: bool = True,
     plan_check: Callable[[StepPlan], None] | None = None,
 ) -> RankReport:
     """Run this rank's share of ``plan``.
 
     Args:
-        plan: the step's plan (identical on every rank; checked).
+        plan: the step's plan (identical on every rank; checked unless ``agree=False``).
         pool: the pre-built groups.
         step_fn: forward + backward of one micro-batch; called with its context.
         labels_per_sequence: label tokens of each sequence (default: length - 1).
         synchronize: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+        agree: compare the plan's digest with every rank's first (False: it was compared this
+            step already, e.g. by the sampler; one agreement per step is enough).
+        validate: check the whole plan against the contract (False: this rank's groups only,
+            for a plan validated where it was made).
         plan_check: called with the plan on every rank after the checks below and before any
             ring collective; raises (PlanError) to refuse a plan the model cannot run, e.g.
             ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed layers).
@@ -219,8 +252,8 @@ def execute(
             every rank, before any other collective, naming the ranks and the digests).
         PlanError: the plan breaks the contract, needs a group the pool lacks or fails
             ``plan_check`` (before any ring collective, identically on every rank).
-        StepFailed: a rank failed the step (on every rank within twice the pool's timeout,
-            naming it and its error where known).
+        StepFailed: a rank of one of this rank's groups failed the step (naming it and its
+            error where known; see the module docstring for when and where the others learn).
     """
     me = pool.position
     if me is None:
@@ -228,17 +261,25 @@ def execute(
     call_start = time.perf_counter()
     call = pool.calls
     pool.calls += 1
-    board = FailureBoard(pool.store, call=call, world=pool.world, names=pool.ranks)
+    pool.last_call = (call, len(plan.waves))
+    board = pool.board(f"c{call}")
     label = f"execute call {call}"
-    entry = time.monotonic()
-    try:
-        agree(pool.control_group, where=(call,), digest=plan_digest(plan), label=label)
-    except PlanAgreementError as exc:
-        board.report_ok(-1, me)
-        until = max(entry + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
-        culprit = board.culprit(-1, suspects=None, until=until, label=label)
-        raise StepFailed(culprit.message, culprit.ranks) from exc
-    _check(plan, pool)
+    entry, entry_wall = time.monotonic(), time.time()
+    if agree:
+        try:
+            PendingAgreement(
+                pool.agreement_group,
+                where=(call,),
+                digest=plan_digest(plan),
+                label=label,
+                device=pool.agreement_device,
+            ).result()
+        except PlanAgreementError as exc:
+            culprit = name_after_failed_wait(
+                board, -1, me, exc, entered=entry, entered_wall=entry_wall, label=label
+            )
+            raise StepFailed(culprit.message, culprit.ranks) from exc
+    _check(plan, pool, validate=validate)
     if plan_check is not None:
         plan_check(plan)
     labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
@@ -249,8 +290,8 @@ def execute(
         raise ValueError("the global batch has no label tokens; nothing to train on")
     scale = 1.0 / total
     report = RankReport()
-    # The agreement and the checks above are synchronisation the step pays once: they count in
-    # the first wave's wall clock (and so in the wave cost a calibration fits).
+    # The agreement and the checks above are what the step pays once: they count in the first
+    # wave's wall clock (and so in the wave cost a calibration fits).
     wave_start = step_start = call_start
     for w, wave in enumerate(plan.waves):
         if w:
@@ -274,13 +315,13 @@ def execute(
                     loss_scale=scale,
                     heads=group.heads,
                 )
-                t0 = time.perf_counter()
+                t0, started = time.perf_counter(), time.monotonic()
                 try:
                     step_fn(ctx)
                     if synchronize is not None:
                         synchronize()
                 except Exception as exc:
-                    _fail(board, pool, w, group.start, group.size, exc, time.perf_counter() - t0)
+                    _fail(board, pool, w, group.start, group.size, exc, started, label)
                 seconds = time.perf_counter() - t0
                 report.timings.append(
                     MicroBatchTiming(
@@ -288,11 +329,9 @@ def execute(
                     )
                 )
                 report.busy_seconds += seconds
-        t0 = time.perf_counter()
-        _exchange(board, pool, w)
-        report.idle_seconds += time.perf_counter() - t0
         report.wave_seconds.append(time.perf_counter() - wave_start)
     report.step_seconds = time.perf_counter() - step_start
+    report.idle_seconds = report.step_seconds - report.busy_seconds
     return report
 
 
@@ -303,17 +342,20 @@ def _fail(
     start: int,
     size: int,
     exc: Exception,
-    waited: float,
+    started: float,
+    label: str,
 ) -> None:
-    """``step_fn`` raised here: leave the error for the others and raise StepFailed now."""
+    """``step_fn`` raised here (it began at ``started``, monotonic): leave the error for the
+    others and raise StepFailed now."""
     me = pool.position
     assert me is not None
-    board.report_error(wave, me, exc, waited)
-    label = f"execute call {board.call}"
-    if is_communication_error(exc):  # a ring peer failed first: name it if it said so
+    board.report_error(wave, me, exc)
+    if is_communication_error(exc):  # a ring peer failed: wait for the ring's reports, name it
         ring = tuple(range(start, start + size))
-        until = time.monotonic() + pool.timeout / 4  # the ring's members time out together
-        culprit = board.culprit(wave, suspects=ring, until=until, label=label)
+        until = max(started + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
+        culprit = board.culprit(
+            wave, suspects=ring, until=until, label=label, earlier=range(-1, wave)
+        )
         raise StepFailed(culprit.message, culprit.ranks) from exc
     raise StepFailed(
         f"{label}: rank {pool.ranks[me]} failed in wave {wave}: {type(exc).__name__}: {exc}",
@@ -321,45 +363,24 @@ def _fail(
     ) from exc
 
 
-def _exchange(board: FailureBoard, pool: GroupPool, wave: int) -> None:
-    """The wave's synchronisation point: every rank got here, or StepFailed names who did not.
-
-    One all_gather on the control group; while it is pending the Store is looked at now and
-    then, so a rank that already reported an error releases the others at once.
-    """
+def reduction_failed(
+    pool: GroupPool, exc: BaseException, *, entered: float, entered_wall: float
+) -> StepFailed:
+    """The step's reduction (after ``execute``) failed with ``exc``: report that this rank got
+    there, wait for the others' reports and name who failed the last ``execute`` call."""
     me = pool.position
     assert me is not None
-    label = f"execute call {board.call}"
-    flag = torch.zeros(1, dtype=torch.int64)
-    out = [torch.empty_like(flag) for _ in range(pool.world)]
-    start = time.monotonic()
-    try:
-        work = dist.all_gather(out, flag, group=pool.control_group, async_op=True)
-        pause, next_look = 2e-5, start + STORE_LOOK_SECONDS
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_look:
-                next_look = now + STORE_LOOK_SECONDS
-                if board.first() is not None:
-                    board.report_ok(wave, me)
-                    until = now + pool.timeout / 4
-                    culprit = board.culprit(wave, suspects=None, until=until, label=label)
-                    raise StepFailed(culprit.message, culprit.ranks)
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        work.wait()
-    except RuntimeError as exc:
-        if isinstance(exc, StepFailed):
-            raise
-        board.report_ok(wave, me)
-        until = max(start + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
-        culprit = board.culprit(wave, suspects=None, until=until, label=label)
-        raise StepFailed(culprit.message, culprit.ranks) from exc
-
-
-#: After a collective on the control group failed, survivors are waited for until this many
-#: timeouts after this rank entered it: a survivor blocked in the same collective is released
-#: by the timeout (1) and then reports; the rest is margin for a loaded machine. Below 2: the bound.
-SURVIVOR_WAIT = 1.5
-#: How often a rank waiting at a wave's exchange looks in the Store for a reported failure.
-STORE_LOOK_SECONDS = 0.05
+    call, waves = pool.last_call
+    board = pool.board(f"c{call}")
+    label = f"execute call {call} (found at the gradient reduction)"
+    culprit = name_after_failed_wait(
+        board,
+        waves,  # the reduction's slot: after every wave
+        me,
+        exc,
+        entered=entered,
+        entered_wall=entered_wall,
+        label=label,
+        earlier=range(-1, waves),
+    )
+    return StepFailed(culprit.message, culprit.ranks)

@@ -24,8 +24,9 @@ communicator initialisation.
 Failures are bounded by one timeout: every group the pool creates (rings, and a CPU ``gloo``
 control group over the axis for plan agreement and status exchange) uses ``timeout`` seconds,
 by default the job's own (the default process group's), never torch's 30-minute default. The
-pool also holds a namespace in the job's Store where a failing rank leaves its error, so that
-every rank can name it even when collectives with it time out or break.
+pool also holds a namespace in the job's Store where a failing rank leaves its signed error
+report (:meth:`GroupPool.board`), so that every rank can name it even when collectives with it
+time out or break.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from dyncp.runtime.failures import FailureBoard, shared_secret
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -75,11 +78,16 @@ class GroupPool:
     Attributes:
         world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
         created: number of groups created; ``creation_seconds``: wall time of creating them.
-        axis_group: a group over the whole axis, for synchronisation points.
-        control_group: a gloo group over the axis: plan agreement and status exchange.
+        axis_group: a group over the whole axis (None when the axis is the whole job).
+        control_group: a gloo group over the axis (the board's secret; the plan agreement on
+            gloo jobs).
+        agreement_group, agreement_device: where ``execute`` compares plan digests (the device
+            group on NCCL, the control group on gloo).
         timeout: the groups' timeout in seconds.
         store: a Store namespace of this pool (shared by its ranks).
         calls: ``execute`` calls so far on this rank (every rank counts the same).
+        last_call: (call number, number of waves) of the last ``execute`` on this rank, for
+            naming a failure found at the gradient reduction after it.
 
     Raises:
         ValueError: bad ranks, group sizes, head sizes or timeout.
@@ -139,8 +147,21 @@ class GroupPool:
         self.axis_group = self._new_group(list(self.ranks), kwargs) if self.world < job else None
         self.control_group = dist.new_group(ranks=list(self.ranks), backend="gloo", **kwargs)
         base = dist.distributed_c10d._get_default_store() if store is None else store
+        # Keep the given Store itself alive: the PrefixStore holds it only on the C++ side, so a
+        # Python subclass would be collected and its overrides then fail ("pure virtual").
+        self._base_store = base
         self.store = dist.PrefixStore(f"dyncp/pool/{self.control_group.group_name}/", base)
+        self._board_secret = shared_secret(self.control_group)
         self.calls = 0
+        self.last_call = (-1, 0)  # (call number, waves) of the last execute on this rank
+        # The per-step plan agreement: one all_reduce, on the device group where there is one
+        # (NCCL: tree latency, logarithmic in the ranks), else on the gloo control group.
+        if self.backend == "nccl":
+            self.agreement_group = self.axis_group or dist.group.WORLD
+            self.agreement_device: torch.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.agreement_group = self.control_group
+            self.agreement_device = torch.device("cpu")
         self.created = 0
         for size in self.group_sizes:
             if size == 1:
@@ -241,6 +262,18 @@ class GroupPool:
         head = self._groups[key] if heads in self.group_sizes else self._head_blocks[key]
         ring = None if heads == size else self._rings[(start, size, heads)]
         return head, ring
+
+    def board(self, scope: str) -> FailureBoard:
+        """The failure board of one call (``scope``: the same key prefix on every rank), its
+        reports sealed with the pool's secret (drawn at start-up, never in the Store)."""
+        return FailureBoard(
+            self.store,
+            scope=scope,
+            world=self.world,
+            names=self.ranks,
+            secret=self._board_secret,
+            timeout=self.timeout,
+        )
 
     def barrier(self) -> None:
         """Synchronise the whole DP x CP axis (where group membership changes)."""

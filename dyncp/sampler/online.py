@@ -1,6 +1,7 @@
 """Online batches: steps whose sequence lengths exist only at run time (RL rollouts).
 
-    online = OnlinePlanner(planner, rank=rank, group=dist.new_group(backend="gloo"))
+    span = datetime.timedelta(seconds=dyncp.runtime.job_timeout())  # not torch's 30 minutes
+    online = OnlinePlanner(planner, rank=rank, group=dist.new_group(backend="gloo", timeout=span))
     pending = online.submit(ids, lengths)    # returns at once; planning runs in the background
     ...                                      # the previous step trains meanwhile
     step = pending.result()                  # OnlineStep: the plan and this rank's micro-batches
@@ -175,7 +176,8 @@ class OnlinePlanner:
         planner: plans each batch (deterministic unless ``group`` is given and world > 1).
         rank: this process's position on the DP x CP axis.
         group: a CPU (gloo) group over all ranks used by nothing else, e.g.
-            ``dist.new_group(backend="gloo")``: its collectives run in the planning thread. With
+            ``dist.new_group(backend="gloo", timeout=...)`` with the job's timeout (torch's default
+            for a new group is 30 minutes): its collectives run in the planning thread. With
             it, ``root`` plans and broadcasts; without it every rank plans alone.
         root: the rank of ``group`` that plans.
 

@@ -8,6 +8,7 @@ with every other rank's (``dyncp.agreement``), and yields this rank's micro-batc
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -16,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.agreement import PendingAgreement
+from dyncp.agreement import AgreementGroup, PendingAgreement
 from dyncp.calibration import OnlineCalibrator
 from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
-from dyncp.plan_auth import PlanSigner
+from dyncp.plan_auth import RUN_ENV, PlanSigner
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
@@ -56,6 +57,32 @@ class _Resume:
     plan: StepPlan | None
 
 
+def _agreement(
+    group: ProcessGroup | bool | None, store: Store | None, world_size: int
+) -> AgreementGroup | None:
+    """The sampler's plan agreement (see ``group`` in :class:`DynamicCPSampler`)."""
+    if group is False:
+        return None
+    if group is True or group is None:
+        import torch.distributed as dist
+
+        if world_size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None  # one process: nothing to compare with
+        return AgreementGroup(store=store)
+    return AgreementGroup(group, store=store)
+
+
+def _run_id(given: str | None, agreement: AgreementGroup | None, serves: bool) -> str:
+    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`)."""
+    if given is not None:
+        return given
+    if os.environ.get(RUN_ENV):
+        return os.environ[RUN_ENV]
+    if agreement is not None and agreement.any(serves):
+        return agreement.derive("plan-service run")
+    return ""
+
+
 class DynamicCPSampler:
     """Yields this rank's micro-batches of dyncp step plans; a DataLoader ``batch_sampler``.
 
@@ -76,16 +103,27 @@ class DynamicCPSampler:
         deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
         secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
             the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
-        group: a CPU (gloo) process group over all ranks, e.g. ``dist.new_group(backend="gloo")``,
-            used only for this: before the first micro-batch of each step is yielded, every rank
-            compares the step's plan digest with the others' (an all_gather of 24 bytes) and,
-            if any differs, every rank raises ``PlanMismatchError`` in that step.
+        group: the plan agreement. Before the first micro-batch of each step is yielded, every
+            rank compares the step's plan digest with the others' (an all_gather of 24 bytes)
+            and, if any differs, every rank raises ``PlanMismatchError`` in that step; a rank
+            that does not arrive within the timeout makes the others raise
+            ``PlanAgreementError`` naming it. None (default): on whenever torch.distributed is
+            initialised with more than one process -- the sampler creates its own gloo group
+            over the whole job with the job's timeout (a collective: construct the sampler on
+            every rank of the job, in the same order as other groups). A gloo ProcessGroup:
+            compare on that group (it should use the job's timeout, not torch's 30 minutes).
+            False: no agreement (ranks holding different plans then go undetected).
         agree_ahead: steps ahead of the one being yielded whose plans are fetched and compared
             early (default 0: at the step boundary). The comparison of step N waits until every
             rank's sampler has reached step N - agree_ahead; a DataLoader that prefetches P
             micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
+        run_id: the run the plan records are bound to (a record of an earlier run of the same
+            job does not verify; see ``dyncp.plan_auth``). Default: ``$DYNCP_RUN_ID``; else,
+            when a rank of the job serves in-process (the default), an id drawn for this run and
+            shared over the agreement group; else none. A standalone ``python -m dyncp.serve``
+            must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
         calibrate: online calibration of the cost model (needs ``store``): readers' fallbacks
             use the newest model version published in the Store; the rank that serves refits
@@ -118,10 +156,11 @@ class DynamicCPSampler:
         deadline: float = 1.0,
         late_deadline: float = 0.05,
         secret: bytes | str | None = None,
-        group: ProcessGroup | None = None,
+        group: ProcessGroup | bool | None = None,
         agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
         calibrate: bool | OnlineCalibrator = False,
+        run_id: str | None = None,
     ) -> None:
         topo = planner.topology
         if calibrate is not False and store is None:
@@ -169,11 +208,18 @@ class DynamicCPSampler:
                 "truncated" if overlong == "truncate" else "skipped",
             )
         self.calibration: ServiceCalibration | None = None
+        self.run_id = ""
+        self.agreement = _agreement(group, store, world_size)
+        self.group = None if self.agreement is None else self.agreement.group
         self._source: LocalPlans | StorePlans
         if store is None:
             self._source = LocalPlans(self.schedule, planner, lookahead)
         else:
-            signer = PlanSigner.from_env(secret) if calibrate is not False else None
+            serves = rank == 0 if serve is None else bool(serve)
+            self.run_id = _run_id(run_id, self.agreement, serves)
+            signer = None
+            if calibrate is not False:
+                signer = PlanSigner.from_env(secret, run=self.run_id)
             client = PlanClient(
                 store,
                 source=self.schedule,
@@ -184,9 +230,10 @@ class DynamicCPSampler:
                 late_deadline=late_deadline,
                 secret=secret,
                 models=None if calibrate is False else ModelChannel(store, prefix, signer=signer),
+                run_id=self.run_id,
             )
             service = None
-            if rank == 0 if serve is None else serve:
+            if serves:
                 if calibrate is not False:
                     calibrator = (
                         calibrate
@@ -206,9 +253,10 @@ class DynamicCPSampler:
                     lookahead=lookahead,
                     secret=secret,
                     calibration=self.calibration,
+                    run_id=self.run_id,
                 )
             self._source = StorePlans(client, service)
-        self.group, self.agree_ahead = group, agree_ahead
+        self.agree_ahead = agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
         self._position = (0, 0, 0)  # (epoch, step, offset) after the last micro-batch yielded
@@ -291,9 +339,9 @@ class DynamicCPSampler:
         wait = time.perf_counter() - start
         digest = plan_digest(fetched.plan)
         pending = None
-        if self.group is not None:
+        if self.agreement is not None:
             label = f"epoch {epoch} step {step}"
-            pending = PendingAgreement(self.group, where=(epoch, step), digest=digest, label=label)
+            pending = self.agreement.start(where=(epoch, step), digest=digest, label=label)
         return _Prepared(fetched, wait, digest, pending)
 
     def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
