@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--capacity", type=int, default=1024, help="tokens per rank per micro-batch")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--global-batch-tokens", type=int, default=8192)
-    p.add_argument("--refit-every", type=int, default=32, help="micro-batches between refits")
+    p.add_argument("--refit-every", type=int, default=2, help="steps between refits")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows and calibration here")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import fit_attention
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.cost_model.shapes import DecoderShape, load_shape
+from dyncp.profiling.profile import fit_attention
 from dyncp.ring_attention import make_kernel, make_ring_layout, merge_block, zigzag_shard
 from dyncp.ring_attention.block import BlockKernel, BlockSpec, acc_dtype
 from dyncp.ring_attention.sharding import zigzag_unshard

@@ -14,6 +14,13 @@ float32), forward and backward, kernel "auto". A micro-batch's time is its slowe
 Printed per pack: measured seconds of each layout, their ratio (ring / all-to-all), and the cost
 model's prediction of each (``CostModel.microbatch_seconds(2, lengths, heads=u)``) with its
 ratio, when this checkout's cost model prices head splits.
+
+``--calibrate N`` also runs N other packs (Wikipedia lengths, seeded, never the printed ones) in
+both layouts and as two CP-1 micro-batches (sequences dealt alternately to the two ranks: what
+tells per-token work from attention), refits the profile to those measurements (``fit_profile``:
+every repeat one measurement, the split ones with ``heads=2``) and prints the calibrated model's
+predictions of the printed packs next to the shipped profile's: calibration judged on packs it
+never saw.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ import os
 import statistics
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.cost_model import CostModel, load_profile
+from dyncp.cost_model import CostModel, Profile, load_profile
+from dyncp.cost_model.calibrate import Measurement, fit_profile
+from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.runtime import GroupPool, execute
 from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
@@ -45,7 +55,27 @@ def _plan(lengths: list[int], heads: int, cfg: TinyConfig) -> StepPlan:
     return StepPlan(topo, tuple(lengths), (Wave((group,)),), policy=f"heads{heads}")
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[int]]) -> list:
+def halves(lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sequence ids of a pack dealt alternately to the two ranks (CP 1 each)."""
+    ids = tuple(range(len(lengths)))
+    return ids[0::2], ids[1::2]
+
+
+def _cp1_plan(lengths: list[int], cfg: TinyConfig) -> StepPlan:
+    capacity = sum(lengths) + 4 * len(lengths)
+    topo = Topology(
+        WORLD, WORLD, capacity, head_sizes=(1, 2), query_heads=cfg.heads, kv_heads=cfg.kv_heads
+    )
+    groups = tuple(Group(r, 1, (MicroBatch(ids),)) for r, ids in enumerate(halves(lengths)))
+    return StepPlan(topo, tuple(lengths), (Wave(groups),), policy="cp1")
+
+
+def _worker(
+    rank: int, world: int, args: argparse.Namespace, packs: list[list[int]], with_cp1: int = 0
+) -> list:
+    """Per pack, the slowest rank's seconds of each layout per repeat; packs from index
+    ``with_cp1`` on (the calibration packs) also run as two CP-1 micro-batches ("cp1": each
+    rank's own seconds, [rank 0, rank 1] per repeat)."""
     pool = GroupPool(head_sizes=(1, 2))
     shape = load_profile(args.profile).model
     cfg = TinyConfig(
@@ -64,25 +94,36 @@ def _worker(rank: int, world: int, args: argparse.Namespace, packs: list[list[in
             microbatch_loss(model, ctx, packed, kernel="auto").backward()
 
         plans = {name: _plan(lengths, u, cfg) for name, u in LAYOUTS.items()}
-        times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        if p >= with_cp1 and len(lengths) > 1:
+            plans["cp1"] = _cp1_plan(lengths, cfg)
+        times: dict[str, list] = {name: [] for name in plans}
         for r in range(args.warmup + args.repeats):
-            order = list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]
+            order = list(plans) if r % 2 == 0 else list(plans)[::-1]
             for name in order:
                 pool.barrier()
                 report = execute(plans[name], pool, step_fn)
                 (timing,) = report.timings
-                assert timing.heads == LAYOUTS[name]
-                slowest = torch.tensor([timing.seconds], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if name == "cp1":  # each rank's own micro-batch
+                    both = torch.zeros(WORLD, dtype=torch.float64)
+                    both[rank] = timing.seconds
+                    dist.all_reduce(both)
+                    value: object = both.tolist()
+                else:
+                    assert timing.heads == LAYOUTS[name]
+                    slowest = torch.tensor([timing.seconds], dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    value = float(slowest.item())
                 model.zero_grad(set_to_none=True)
                 if r >= args.warmup:
-                    times[name].append(float(slowest.item()))
-        rows.append({name: statistics.median(t) for name, t in times.items()})
+                    times[name].append(value)
+        rows.append(times)
     return rows
 
 
-def _predictions(args: argparse.Namespace, packs: list[list[int]]) -> list[dict] | str:
-    model = CostModel.load(args.profile, ranks_per_node=WORLD)
+def _predictions(
+    args: argparse.Namespace, packs: list[list[int]], profile: Profile | None = None
+) -> list[dict] | str:
+    model = CostModel(profile or load_profile(args.profile), ranks_per_node=WORLD)
     try:
         return [
             {name: model.microbatch_seconds(WORLD, lengths, heads=u) for name, u in LAYOUTS.items()}
@@ -90,6 +131,23 @@ def _predictions(args: argparse.Namespace, packs: list[list[int]]) -> list[dict]
         ]
     except (TypeError, ValueError) as exc:  # a cost model without head splits
         return f"no prediction: {exc}"
+
+
+def calibration_packs(n: int, seed: int = 1, tokens: int = 4096) -> list[list[int]]:
+    """``n`` packs of Wikipedia lengths (clipped at ``tokens``), up to ``tokens`` tokens each."""
+    rng = np.random.default_rng(seed)
+    pool = np.minimum(load_lengths(resolve_dataset("wikipedia")), tokens)
+    packs = []
+    for _ in range(n):
+        budget = int(rng.integers(tokens // 8, tokens + 1))
+        pack: list[int] = []
+        while True:
+            s = int(rng.choice(pool))
+            if pack and sum(pack) + s > budget:
+                break
+            pack.append(s)
+        packs.append(pack)
+    return packs
 
 
 def _pack(text: str) -> list[int]:
@@ -108,10 +166,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--calibrate", type=int, default=0, help="calibration packs (0: none)")
     args = p.parse_args(argv)
-    results = run_gloo(_worker, world=WORLD, args=(args, args.packs), timeout=args.timeout)
-    measured = results[0]
+    extra = calibration_packs(args.calibrate) if args.calibrate else []
+    results = run_gloo(
+        _worker, world=WORLD, args=(args, args.packs + extra, len(args.packs)),
+        timeout=args.timeout,
+    )
+    times = results[0]
+    measured = [
+        {name: statistics.median(row[name]) for name in LAYOUTS} for row in times[: len(args.packs)]
+    ]
     predicted = _predictions(args, args.packs)
+    calibrated = None
+    if extra:
+        ms = []
+        for lengths, row in zip(extra, times[len(args.packs) :]):
+            for name, ts in row.items():
+                if name == "cp1":
+                    for pair in ts:
+                        for ids, t in zip(halves(lengths), pair):
+                            ms.append(Measurement(1, tuple(lengths[i] for i in ids), t))
+                else:
+                    ms += [Measurement(WORLD, tuple(lengths), t, heads=LAYOUTS[name]) for t in ts]
+        fit = fit_profile(load_profile(args.profile), ms, ranks_per_node=WORLD)
+        calibrated = _predictions(args, args.packs, fit.profile)
+        print(
+            f"calibrated on {len(ms)} measurements of {len(extra)} other packs: mean |error| "
+            f"{fit.error_before:.1%} -> {fit.error_after:.1%} on them, {fit.outliers} outliers; "
+            + ", ".join(f"{k} {v:.4g}" for k, v in fit.coefficients_after.items())
+        )
     cores = os.cpu_count() or 1
     print(
         f"hybrid bench: {WORLD} gloo processes x 1 thread ({cores} cores), tiny decoder of "
@@ -121,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     head = f"{'pack':<28}{'a2a2 s':>10}{'ring2 s':>10}{'ring/a2a':>10}"
     if not isinstance(predicted, str):
         head += f"{'pred a2a2':>11}{'pred ring2':>11}{'pred r/a':>10}"
+    if calibrated is not None and not isinstance(calibrated, str):
+        head += f"{'cal a2a2':>10}{'cal ring2':>10}{'cal r/a':>9}"
     print(head)
     for i, lengths in enumerate(args.packs):
         m = measured[i]
@@ -130,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(predicted, str):
             pr = predicted[i]
             line += f"{pr['a2a2']:>11.4f}{pr['ring2']:>11.4f}{pr['ring2'] / pr['a2a2']:>10.3f}"
+        if calibrated is not None and not isinstance(calibrated, str):
+            c = calibrated[i]
+            line += f"{c['a2a2']:>10.4f}{c['ring2']:>10.4f}{c['ring2'] / c['a2a2']:>9.3f}"
         print(line)
     if isinstance(predicted, str):
         print(predicted)

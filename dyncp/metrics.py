@@ -323,8 +323,18 @@ class Metrics:
         )
         for stage in CALIBRATION_STAGES:
             _no_value_yet(self.calibration_error.labels(stage))
-        for outcome in ("adopted", "kept"):
+        self.calibration_refused = Counter(
+            "dyncp_cost_model_calibration_refused",
+            "Measurements online calibration refused, by reason: record (a whole record "
+            "malformed or unsigned), entry (a micro-batch or wave the current profile cannot "
+            "price, or malformed), dropped (held measurements dropped after a failed refit).",
+            ("reason",),
+            registry=r,
+        )
+        for outcome in ("adopted", "kept", "failed"):
             self.calibration_refits.labels(outcome)
+        for reason in ("record", "entry", "dropped"):
+            self.calibration_refused.labels(reason)
         for kind in ("fitted", "outliers"):
             _no_value_yet(self.calibration_measurements.labels(kind))
         self.rank_busy: Gauge | None = None
@@ -511,6 +521,21 @@ class Metrics:
         self.calibration_measurements.labels("fitted").set(result.measurements)
         self.calibration_measurements.labels("outliers").set(result.outliers)
         self.model_version.set(int(version))
+
+    def observe_calibration_refusals(
+        self, *, failed: int = 0, record: int = 0, entry: int = 0, dropped: int = 0
+    ) -> None:
+        """Count what online calibration contained since the last call: refits that failed,
+        and measurements refused (see ``dyncp_cost_model_calibration_refused``)."""
+        for name, value in (("failed", failed), ("record", record), ("entry", entry),
+                            ("dropped", dropped)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if failed:
+            self.calibration_refits.labels("failed").inc(failed)
+        for reason, value in (("record", record), ("entry", entry), ("dropped", dropped)):
+            if value:
+                self.calibration_refused.labels(reason).inc(value)
 
     def observe_fallback(self, *, policy: str, reason: str) -> None:
         """A step ran on a fallback plan; ``reason`` is one of ``FALLBACK_REASONS``."""

@@ -232,6 +232,23 @@ class ServiceCalibration:
         self.interval = interval
         self._next = 0.0
         self._seen_refits = 0
+        self._seen_counts = (0, 0, 0, 0)
+
+    def _report(self) -> None:
+        cal = self.calibrator
+        fresh = cal.refits - self._seen_refits
+        self._seen_refits = cal.refits
+        counts = (cal.failures, cal.rejected, cal.refused, cal.dropped)
+        delta = [now - seen for now, seen in zip(counts, self._seen_counts)]
+        self._seen_counts = counts
+        if self.metrics is None:
+            return
+        version = cal.current.version
+        for result, adopted in cal.history[-fresh:] if fresh > 0 else ():
+            self.metrics.observe_calibration(result, adopted=adopted, version=version)
+        self.metrics.observe_calibration_refusals(
+            failed=delta[0], record=delta[1], entry=delta[2] - delta[3], dropped=delta[3]
+        )
 
     def bind(self, store: Store) -> None:
         """Use ``store`` (the service thread's own connection) from now on."""
@@ -246,13 +263,11 @@ class ServiceCalibration:
         if now < self._next:
             return planner
         self._next = now + self.interval
-        new = self.measurements.drain(self.calibrator)
-        fresh = self.calibrator.refits - self._seen_refits
-        if self.metrics is not None and fresh > 0:
-            version = self.calibrator.current.version
-            for result, adopted in self.calibrator.history[-fresh:]:
-                self.metrics.observe_calibration(result, adopted=adopted, version=version)
-        self._seen_refits = self.calibrator.refits
+        new = self.measurements.drain(self.calibrator)  # never raises on what was measured
+        try:
+            self._report()
+        except ValueError:  # a metric refused a value: calibration and planning go on
+            log.exception("calibration metrics not recorded")
         if new is None:
             return planner
         self.models.publish(new)

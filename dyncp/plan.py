@@ -11,7 +11,9 @@ Vocabulary (see DESIGN.md)::
                 heads (u ranks exchanging heads by all-to-all) x ring (size / u ranks in a ring)
     micro-batch the packed sequences one group runs in one forward+backward
     wave        groups that run concurrently; groups within a wave are disjoint, and group
-                membership may change only between waves (a synchronisation point)
+                membership changes only between waves (each rank runs its groups in wave
+                order; the runtime has no barrier between waves: a group starts when its
+                members are free)
     step plan   waves covering the global batch: every sequence exactly once
 
 Memory: each sequence is zigzag-split into 2c chunks over a group of c ranks, so it is padded to a
@@ -276,7 +278,8 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Wave:
-    """Disjoint groups running concurrently; a synchronisation point follows."""
+    """Disjoint groups running concurrently; each rank's next wave starts when its group here is
+    done (no barrier across the wave)."""
 
     groups: tuple[Group, ...]
 

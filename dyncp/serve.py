@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the ranks' run_id (default $DYNCP_RUN_ID): records are bound to it",
     )
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
-    p.add_argument("--refit-every", type=int, default=64, help="micro-batches between refits")
+    p.add_argument("--refit-every", type=int, default=4, help="steps between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     return p.parse_args(argv)
 

@@ -35,6 +35,13 @@ step). When the Store itself fails the service thread stops and says why
 
 Readers poll ``store.check`` rather than block in ``store.wait(keys, timeout)``: a timed-out wait
 logs C++ warnings on every fallback, and a blocked wait holds the client's connection.
+
+Slices (``slices=True`` on the service and every reader; ``dyncp.plan_slice``): the step's
+decision is a slice header (signed like a plan) that commits to one slice per rank, written
+first at ``e<epoch>/s<step>/r<position>``; a reader reads the header and its own slice (about a
+kilobyte), checks the slice against the header and deletes its key. A reader whose slice is
+missing or does not verify cannot run the step: :class:`SliceUnavailable` makes its sampler
+take part in the agreement with a digest no other rank has, so every rank raises in that step.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from dyncp.agreement import PlanMismatchError
 from dyncp.calibration import ModelVersion, VersionedPlanner
 from dyncp.plan import PlanError, StepPlan, Topology, plan_digest
 from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
+from dyncp.plan_slice import PlanSlice, SliceHeader, open_slice, own_slice, slice_plan
 from dyncp.planner.planner import HYBRID_POLICY, Planner
 
 if TYPE_CHECKING:
@@ -67,7 +75,9 @@ __all__ = [
     "PlanMismatchError",
     "PlanService",
     "ServiceCounters",
+    "SliceUnavailable",
     "check_plan",
+    "check_slice_header",
     "fallback_planner",
     "lookahead_targets",
     "plan_batch",
@@ -100,6 +110,36 @@ def _check_prefix(prefix: str) -> str:
 def step_key(prefix: str, epoch: int, step: int) -> str:
     """Store key holding the decision for one step."""
     return f"dyncp/{prefix}/e{epoch}/s{step}"
+
+
+def slice_key(key: str, position: int) -> str:
+    """Store key of one rank's slice of the plan decided at step key ``key``."""
+    return f"{key}/r{position}"
+
+
+class SliceUnavailable(PlanError):
+    """This rank's slice of the step's (signed) header is missing or does not verify.
+
+    Attributes:
+        digest: the header's digest (the sampler compares another, so every rank raises).
+    """
+
+    def __init__(self, message: str, digest: int) -> None:
+        super().__init__("slice", message)
+        self.digest = digest
+
+
+def _set_many(store: Store, keys: list[str], values: list[bytes]) -> None:
+    """Write many keys in one request where the Store can (``multi_set``), else one by one."""
+    multi = getattr(store, "multi_set", None)
+    if multi is not None:
+        try:
+            multi(keys, values)
+            return
+        except (NotImplementedError, RuntimeError, TypeError):
+            pass
+    for k, v in zip(keys, values):
+        store.set(k, v)
 
 
 def _cursor_key(prefix: str) -> str:
@@ -146,6 +186,15 @@ def check_plan(
     if plan.sample_ids != tuple(int(i) for i in sample_ids):
         raise ValueError("plan sample_ids differ from this step's batch")
     plan.validate()
+
+
+def check_slice_header(header: SliceHeader, *, topology: Topology, lengths: np.ndarray) -> None:
+    """Raise ValueError unless a slice header is for exactly this batch on ``topology``."""
+    if header.topology != topology:
+        raise ValueError(f"slice header is for topology {header.topology}, this job has {topology}")
+    labels = int(np.sum(np.asarray(lengths, dtype=np.int64) - 1))
+    if header.sequences != len(lengths) or header.labels != labels:
+        raise ValueError("slice header sequences or label tokens differ from this step's batch")
 
 
 def lookahead_targets(
@@ -195,6 +244,8 @@ class PlanService:
             see :class:`dyncp.plan_auth.PlanSigner`); without one a warning says the channel is
             unauthenticated.
         run_id: the run the records are bound to (the readers' ``run_id``).
+        slices: publish a slice header and one slice per rank instead of the whole plan
+            (the readers' ``slices``).
 
     Attributes:
         failure: why the service thread stopped on its own (the Store failed), else None.
@@ -215,10 +266,12 @@ class PlanService:
         secret: bytes | str | None = None,
         calibration: ServiceCalibration | None = None,
         run_id: str = "",
+        slices: bool = False,
     ) -> None:
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
         self.calibration = calibration
+        self.slices = slices
         self.prefix = _check_prefix(prefix)
         self.store = store
         self.source = source
@@ -319,8 +372,16 @@ class PlanService:
         self._done.add((epoch, step))
         ids, lengths = self.source.batch(epoch, step)
         start = time.perf_counter()
+        key = step_key(self.prefix, epoch, step)
+        records: list[bytes] = []
         try:
-            value: bytes | None = plan_batch(self.planner, ids, lengths).to_json().encode()
+            plan = plan_batch(self.planner, ids, lengths)
+            if self.slices:  # the slices first: a reader that sees the header finds its slice
+                header, records = slice_plan(plan)
+                _set_many(self.store, self._slice_keys(key), records)
+                value: bytes | None = header.to_json()
+            else:
+                value = plan.to_json().encode()
         except (PlanError, ValueError, RuntimeError) as exc:
             log.warning(
                 "planning epoch %d step %d failed, publishing FALLBACK: %s", epoch, step, exc
@@ -331,7 +392,6 @@ class PlanService:
         seconds = time.perf_counter() - start
         self.counters.plan_seconds_total += seconds
         self.counters.plan_seconds_max = max(self.counters.plan_seconds_max, seconds)
-        key = step_key(self.prefix, epoch, step)
         offer = self.signer.seal(key, FALLBACK if value is None else value)
         won = self.store.compare_set(key, "", offer) == offer
         if value is None:
@@ -340,7 +400,12 @@ class PlanService:
             self.counters.published += 1
         else:
             self.counters.late += 1
+            for k in self._slice_keys(key) if records else ():  # nobody will read them
+                self.store.delete_key(k)
         return won
+
+    def _slice_keys(self, key: str) -> list[str]:
+        return [slice_key(key, p) for p in range(self.planner.topology.world)]
 
     def __enter__(self) -> PlanService:
         return self.start()
@@ -393,6 +458,8 @@ class PlanClient:
         secret: the per-job secret records must be signed with (default: from the environment);
             with one, unsigned or wrongly signed records are rejected (fallback, counted).
         run_id: the run records must be bound to (the service's ``run_id``).
+        slices: read the step's slice header and this rank's slice (a
+            :class:`~dyncp.plan_slice.PlanSlice` in ``Fetched.plan``), not the whole plan.
     """
 
     def __init__(
@@ -409,12 +476,14 @@ class PlanClient:
         secret: bytes | str | None = None,
         models: ModelChannel | None = None,
         run_id: str = "",
+        slices: bool = False,
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
                 f"deadline and late_deadline must be >= 0 seconds, got {deadline}, {late_deadline}"
             )
         self.prefix = _check_prefix(prefix)
+        self.slices = slices
         self.store = store
         self.source = source
         self.topology = planner.topology
@@ -449,13 +518,45 @@ class PlanClient:
             self._missed = is_fallback(body)
             if self._missed:
                 plan = plan_batch(self._fallback_for(body), ids, lengths)
-                return Fetched(plan, "fallback", "late", False)
+                return Fetched(self._mine(plan), "fallback", "late", False)
+            if self.slices:
+                header = SliceHeader.from_json(body)
+                check_slice_header(header, topology=self.topology, lengths=lengths)
+                return Fetched(self._own_slice(key, header, ids, lengths), "service", None, ready)
             plan = StepPlan.from_json(body)
             check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
+        except SliceUnavailable:
+            raise
         except ValueError as exc:  # PlanError (decoding, signature) or another batch's plan
             log.warning("published plan of epoch %d step %d rejected: %s", epoch, step, exc)
-            return Fetched(plan_batch(self.fallback, ids, lengths), "fallback", "rejected", ready)
+            plan = plan_batch(self.fallback, ids, lengths)
+            return Fetched(self._mine(plan), "fallback", "rejected", ready)
         return Fetched(plan, "service", None, ready)
+
+    def _mine(self, plan: StepPlan) -> StepPlan | PlanSlice:
+        """A plan this rank computed itself, as the reader returns plans (whole, or its slice)."""
+        return own_slice(plan, self.rank) if self.slices else plan
+
+    def _own_slice(
+        self, key: str, header: SliceHeader, ids: np.ndarray, lengths: np.ndarray
+    ) -> PlanSlice:
+        """This rank's slice of a verified header, checked against the batch; its key deleted.
+
+        Raises:
+            SliceUnavailable: missing, not the header's, or not this batch's.
+        """
+        own = slice_key(key, self.rank)
+        try:
+            if not self.store.check([own]):
+                raise PlanError("slice", f"no slice at {own}")
+            mine = open_slice(header, self.store.get(own), self.rank)
+            for i, length in mine.lengths.items():
+                if length != int(lengths[i]) or mine.sample_ids[i] != int(ids[i]):
+                    raise PlanError("slice", f"sequence {i} of the slice is not this batch's")
+        except PlanError as exc:
+            raise SliceUnavailable(f"rank {self.rank}: {exc}", header.digest) from None
+        self.store.delete_key(own)
+        return mine
 
     def _fallback_body(self) -> bytes:
         """What this reader offers as the step's decision: ``FALLBACK``, naming the newest model

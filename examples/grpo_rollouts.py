@@ -104,7 +104,7 @@ def main() -> None:
                 losses.append(loss.detach())
 
             execute(planned.plan, pool, step_fn)
-            reduce_gradients(model)  # SUM over the DP x CP axis
+            reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis; names a failed rank
             optim.step()
             optim.zero_grad(set_to_none=True)
             trained = time.perf_counter() - start - waited

@@ -178,7 +178,7 @@ def main() -> None:
         start = time.perf_counter()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         report = execute(plan, pool, step_fn, synchronize=sync, plan_check=check)
-        reduce_gradients(model)  # SUM over the DP x CP axis
+        reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis; names a failed rank
         optim.step()
         optim.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start

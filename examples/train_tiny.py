@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     p.add_argument("--calibrate", action="store_true", help="refit the cost model while training")
-    p.add_argument("--refit-every", type=int, default=32, help="micro-batches between refits")
+    p.add_argument("--refit-every", type=int, default=2, help="steps between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     p.add_argument(
         "--head-sizes",
@@ -94,7 +94,7 @@ def main() -> None:
     if args.calibrate:
         calibrator = OnlineCalibrator(
             model_cost.profile, ranks_per_node=per_node, refit_every=args.refit_every,
-            min_measurements=min(32, args.refit_every),
+            min_measurements=16,
         )
         calibration = CollectiveCalibration(pool, calibrator)
         planner = VersionedPlanner(planner, ModelVersion(0, model_cost.profile))
@@ -130,7 +130,7 @@ def main() -> None:
         start = time.perf_counter()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         report = execute(plan, pool, step_fn, synchronize=sync)
-        reduce_gradients(model)  # SUM over the DP x CP axis
+        reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis; names a failed rank
         optim.step()
         optim.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start

@@ -112,7 +112,7 @@ def test_calibration_recovers_the_true_model_within_eight_steps():
     truth = CostModel(true_profile(), RPN)
     before = mean_error(CostModel(PROFILE, RPN), truth)
     assert before > 0.10  # the starting model really is wrong
-    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=64, min_measurements=32)
+    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=4, min_measurements=32)
     rng = np.random.default_rng(1)
     for _ in range(8):
         cal.observe(*synthetic_step(rng, truth))
@@ -147,7 +147,7 @@ def test_calibration_is_deterministic():
     steps = [synthetic_step(rng, truth) for _ in range(6)]
     outs = []
     for _ in range(2):
-        cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=32)
+        cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=2)
         for s in steps:
             cal.observe(*s)
         outs.append(cal.current.profile.to_json())
@@ -221,13 +221,11 @@ def test_bad_measurements_are_refused_with_a_reason():
         fit_profile(PROFILE, [Measurement(1, (3,), 1.0)], ranks_per_node=RPN)
 
 
-def test_layer_mix_profiles_are_refused_with_a_reason():
+def test_layer_mix_profiles_refuse_head_split_measurements_with_a_reason():
     mix = load_profile("h100-falcon-h1-7b-like")
-    ms = [Measurement(1, (100,), 1.0)] * 8
+    ms = [Measurement(2, (100,), 1.0, heads=2)] * 8
     with pytest.raises(CalibrationError, match="layer_mix"):
         fit_profile(mix, ms, ranks_per_node=8)
-    with pytest.raises(CalibrationError, match="layer_mix"):
-        OnlineCalibrator(mix, ranks_per_node=8)
 
 
 def test_buffer_is_bounded_per_cp_size():
@@ -242,7 +240,7 @@ def test_buffer_is_bounded_per_cp_size():
 def test_refit_is_adopted_only_when_it_predicts_better():
     model = CostModel(PROFILE, RPN)
     rng = np.random.default_rng(5)
-    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=16, min_measurements=16)
+    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=1, min_measurements=16)
     for _ in range(4):  # measurements the current model already predicts exactly
         lengths = [random_pack(rng, 2) for _ in range(16)]
         cal.observe(Measurement(2, ls, model.microbatch_seconds(2, ls)) for ls in lengths)
@@ -256,8 +254,8 @@ def test_refit_is_adopted_only_when_it_predicts_better():
 def test_measurement_records_round_trip():
     mbs = [Measurement(2, (5, 7), 0.25), Measurement(1, (9,), 0.5)]
     waves = [WaveMeasurement(1.0, 0.75)]
-    step, m2, w2 = decode_measurements(encode_measurements(3, mbs, waves))
-    assert (step, m2, w2) == (3, mbs, waves)
+    record = decode_measurements(encode_measurements(3, mbs, waves))
+    assert record == (3, mbs, waves, 0)
 
 
 json_values = st.recursive(
@@ -281,15 +279,31 @@ def test_decoding_any_json_is_a_record_or_a_calibration_error(value):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"[]", b'"x"', b"1e999", b"[" * 100000, b'{"step":1,"mb":[[1,[5],1e999]],"waves":[]}',
-     b'{"step":1,"mb":[[1,[5],NaN]],"waves":[]}', b'{"step":1,"mb":[[1,[5],1]],"waves":[[1]]}',
-     b'{"step":1,"mb":[[1,[' + b"9" * 5000 + b'],1]],"waves":[]}', b"\xff\xfe",
-     b'{"step":1,"mb":[[1,[10000000000000],1]],"waves":[]}',
-     b'{"step":1,"mb":[[4,[5],1e300]],"waves":[]}'],
+    [b"", b"[]", b'"x"', b"1e999", b"[" * 100000, b"\xff\xfe", b'{"step":1,"mb":7,"waves":[]}',
+     b'{"step":1.0,"mb":[],"waves":[]}', b'{"step":1,"mb":[[1,[' + b"9" * 5000 + b'],1]]}'],
 )
 def test_hostile_records_are_calibration_errors(raw):
     with pytest.raises(CalibrationError):
         decode_measurements(raw)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [b"[1,[5],1e999]", b"[1,[5],NaN]", b"[1,[10000000000000],1]", b"[4,[5],1e300]",
+     b"[true,[5],1]", b"[2.0,[5],1]", b'["2",[5],1]', b"[2,[5.0],1]", b"[2,[5],true]",
+     b"[2,[5],-1]", b"[2,[],1]", b"[2,[5]]", b"[4,[5],1,3]", b"[2097152,[5],1]", b"{}"],
+)
+def test_a_bad_microbatch_is_refused_alone(entry):
+    """One malformed micro-batch costs only itself: the record's others are kept, and the
+    refusal is counted."""
+    raw = b'{"step":4,"mb":[[2,[7,9],0.5],' + entry + b',[1,[3],0.25]],"waves":[[1,0.5],[1]]}'
+    record = decode_measurements(raw)
+    assert record.step == 4 and record.refused == 2
+    assert record.microbatches == [Measurement(2, (7, 9), 0.5), Measurement(1, (3,), 0.25)]
+    assert record.waves == [WaveMeasurement(1.0, 0.5)]
+    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN)
+    cal.observe_record(raw)
+    assert cal.refused == 2 and len(cal.buffer) == 2 and cal.rejected == 0
 
 
 def test_model_versions_round_trip_and_refuse_garbage():
@@ -324,7 +338,7 @@ def test_store_channels_carry_measurements_and_versions():
     pusher = MeasurementChannel(store, "job", max_pending=4)
     truth = CostModel(true_profile(), RPN)
     rng = np.random.default_rng(6)
-    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=32, min_measurements=32)
+    cal = OnlineCalibrator(PROFILE, ranks_per_node=RPN, refit_every=2, min_measurements=32)
     service_side = MeasurementChannel(store, "job", max_pending=4)
     models = ModelChannel(store, "job")
     assert models.latest() is None

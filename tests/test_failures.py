@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dyncp.runtime import GroupPool
 from dyncp.runtime.failures import LATE_MARGIN, FailureBoard, Report, is_timeout
+from dyncp.testing.distributed import CountingStore
 
 T = 2.0
 SECRET = b"k" * 32
@@ -155,39 +156,6 @@ def test_timeouts_are_told_from_other_communication_errors() -> None:
     assert not is_timeout(ValueError("timeout in user code"))  # not a communication error
 
 
-class PythonStore(dist.Store):
-    """A Store written in Python (e.g. a counting seam) that delegates to a HashStore."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = dist.HashStore()
-        self.ops = 0
-
-    def set(self, key, value):
-        self.ops += 1
-        self.inner.set(key, value)
-
-    def get(self, key):
-        self.ops += 1
-        return self.inner.get(key)
-
-    def add(self, key, amount):
-        self.ops += 1
-        return self.inner.add(key, amount)
-
-    def check(self, keys):
-        self.ops += 1
-        return self.inner.check(keys)
-
-    def compare_set(self, key, expected, desired):
-        self.ops += 1
-        return self.inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key):
-        self.ops += 1
-        return self.inner.delete_key(key)
-
-
 @pytest.mark.timeout(60)
 def test_the_pool_keeps_a_python_store_alive(tmp_path) -> None:
     dist.init_process_group(
@@ -198,13 +166,13 @@ def test_the_pool_keeps_a_python_store_alive(tmp_path) -> None:
         timeout=datetime.timedelta(seconds=10),
     )
     try:
-        store = PythonStore()
+        store = CountingStore(dist.HashStore())
         pool = GroupPool(store=store)
         del store
         gc.collect()  # only the pool holds it now
         b = pool.board("c0")
         b.report_ok(0, 0, arrived=1.0, timed_out=False)
         assert set(b.reports(0)) == {0}
-        assert pool._base_store.ops >= 3
+        assert pool._base_store.requests >= 3
     finally:
         dist.destroy_process_group()

@@ -48,7 +48,8 @@ from dyncp.plan_auth import PlanSigner
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
-from dyncp.service import plan_batch, step_key
+from dyncp.service import plan_batch, slice_key, step_key
+from dyncp.testing.distributed import CountingStore
 
 WORLD, CAPACITY = 4, 1024
 T = 1.5  # the job's process-group timeout in every scenario
@@ -183,7 +184,9 @@ STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 # ---------------------------------------------------------------------------------- sampler
 
 
-def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -> dict:
+def _sampler_run(
+    rank: int, port: int, prefix: str, wrap_fetch=None, wrap_rank: int = 0, **kwargs
+) -> dict:
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
     sampler = DynamicCPSampler(  # the plan agreement is on by default, on its own group
         make_lengths(),
@@ -199,7 +202,7 @@ def _sampler_run(rank: int, port: int, prefix: str, wrap_fetch=None, **kwargs) -
         secret=kwargs.pop("secret", None),
         **kwargs,
     )
-    if wrap_fetch is not None and rank == 0:
+    if wrap_fetch is not None and rank == wrap_rank:
         client = sampler._source.client
         client.fetch = wrap_fetch(client.fetch)
     samples, out = [], {}
@@ -262,6 +265,35 @@ def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
     )
 
 
+SLICELESS = 2  # the rank whose slice of step 1 is deleted before it reads it
+
+
+def _slice_deleted(rank: int, port: int) -> dict:
+    """Plans travel as slices; rank SLICELESS's slice of step 1 is deleted (by any Store
+    client) after the service published it. Every rank raises in step 1, naming that rank."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    key = step_key("slice-deleted", 0, 1)
+
+    def delete_first(fetch):
+        def fetch_after_deletion(epoch: int, step: int):
+            if step == 1:
+                store.wait([key], datetime.timedelta(seconds=30))
+                store.delete_key(slice_key(key, SLICELESS))
+            return fetch(epoch, step)
+
+        return fetch_after_deletion
+
+    return _sampler_run(
+        rank,
+        port,
+        "slice-deleted",
+        secret=SECRET,
+        slices=True,
+        wrap_fetch=delete_first,
+        wrap_rank=SLICELESS,
+    )
+
+
 PREFETCH = 4  # micro-batches a DataLoader (prefetch_factor x num_workers) holds ahead
 
 
@@ -313,6 +345,43 @@ def _prefetching_training(rank: int, agree_ahead: int) -> dict:
     return out
 
 
+def _healthy_counted(rank: int) -> dict:
+    """A healthy step in which three ranks wait 0.3 s inside a ring for the fourth, counted at
+    the seams: Store requests the pool makes, and collectives on the control group."""
+    store = CountingStore(dist.distributed_c10d._get_default_store())
+    pool = GroupPool(store=store)
+    control: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "barrier")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is pool.control_group:
+                control.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    def step_fn(ctx) -> None:
+        if rank == 3 and ctx.step_wave == 0:
+            time.sleep(0.3)  # the others wait for it inside the ring's collective
+        if ctx.cp > 1:
+            dist.all_reduce(torch.ones(1), group=ctx.layout.group)
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        store.requests = 0
+        execute(hand_plan(), pool, step_fn)
+        agreed = (list(control), store.requests)
+        control.clear()
+        execute(hand_plan(), pool, step_fn, agree=False)  # compared already this step
+        skipped = (list(control), store.requests)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"agreed": agreed, "skipped": skipped}
+
+
 ABSENT = 2  # the rank whose training loop never asks its sampler for a micro-batch
 
 
@@ -353,6 +422,13 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     results: dict = {}
 
     def scenario(name: str, fn, *args, **kwargs) -> None:
+        # Line the ranks up first (a loaded machine starts and ends them seconds apart): the
+        # process group's rendezvous and connections must fit in its timeout T.
+        lineup = dist.FileStore(f"{tmp}/{name}.lineup", WORLD)
+        lineup.add("here", 1)
+        end = time.monotonic() + 60
+        while lineup.add("here", 0) < WORLD and time.monotonic() < end:
+            time.sleep(0.01)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{tmp}/{name}.pg",
@@ -372,9 +448,11 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("garbage", _sampler_run, rank, port, "garbage")
     scenario("overwrite", _tamper_after_rank0, rank, port, "overwrite")
     scenario("delete", _tamper_after_rank0, rank, port, "delete")
+    scenario("slice-deleted", _slice_deleted, rank, port)
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
+    scenario("healthy-counted", _healthy_counted, rank)
     for fault in EXECUTE_FAULTS:
         store = _scenario_store(tmp, fault)
         scenario(fault, _execute, rank, store, fault, CULPRIT[fault])
@@ -497,6 +575,15 @@ def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_a_deleted_slice_raises_in_that_step_naming_its_rank(chaos: list[dict]) -> None:
+    runs = [r["slice-deleted"] for r in chaos]
+    for r in runs:
+        assert r["ranks"] == [SLICELESS], r
+        assert r["step"] == 1 and "epoch 0 step 1" in r["error"], r
+    assert len({r["error"] for r in runs}) == 1
+
+
+@pytest.mark.timeout(180)
 def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> None:
     ahead = [r["prefetch-ahead"] for r in chaos]
     assert all(r["kind"] == "ok" for r in ahead), ahead
@@ -506,6 +593,18 @@ def test_prefetching_needs_agree_ahead_and_never_hangs(chaos: list[dict]) -> Non
     assert all(r["kind"] != "ok" for r in at_boundary), at_boundary  # the wait is real...
     assert all(r["seconds"] <= 2 * T + SLACK for r in at_boundary), at_boundary  # ...and bounded
     assert any(r["kind"] == "PlanAgreementError" for r in at_boundary), at_boundary
+
+
+@pytest.mark.timeout(180)
+def test_a_healthy_step_makes_one_agreement_and_no_store_request(chaos: list[dict]) -> None:
+    """Dataflow: no status exchange between waves, no synchronisation after the last, no Store
+    polling while ranks wait: one all_reduce on the control group per step, none with
+    ``agree=False``, and not one Store request."""
+    for r in chaos:
+        got = r["healthy-counted"]
+        assert got.get("kind") != "crash", got
+        assert got["agreed"] == [["all_reduce"], 0], got
+        assert got["skipped"] == [[], 0], got
 
 
 @pytest.mark.timeout(180)

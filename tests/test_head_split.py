@@ -173,7 +173,7 @@ def test_fallback_and_new_model_versions_keep_the_splits() -> None:
     assert moved.plan(lengths).stats["model_version"] == 1
 
 
-def test_split_microbatches_stay_out_of_the_refit() -> None:
+def test_split_microbatches_enter_the_refit_with_their_split() -> None:
     from dyncp.plan import Group, MicroBatch, Topology
     from dyncp.runtime.executor import MicroBatchTiming, RankReport
     from dyncp.runtime.measure import step_measurements
@@ -198,7 +198,10 @@ def test_split_microbatches_stay_out_of_the_refit() -> None:
             )
         )
     mbs, waves = step_measurements(plan, reports)
-    assert [(m.cp, m.lengths) for m in mbs] == [(2, (900,)), (4, (300,))]
+    assert [(m.cp, m.lengths, m.heads) for m in mbs] == [
+        (2, (1500,), 2), (2, (900,), 1), (4, (300,), 1)
+    ]
+    assert mbs[0].seconds == pytest.approx(0.3)
     assert waves[0].busy_seconds == pytest.approx(0.3)  # the split group still sets the wave
 
 

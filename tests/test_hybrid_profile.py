@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from test_profiler import synthetic_raw
 
-from dyncp.cost_model.profile import (
+from dyncp.cost_model.schema import Profile, load_profile
+from dyncp.profiling.profile import (
     MODELS,
     _all_to_all_into,
     all_to_all_section,
@@ -22,7 +23,6 @@ from dyncp.cost_model.profile import (
     main,
     measure_all_to_all,
 )
-from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.testing.distributed import SpawnError, run_gloo
 
 

@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.profile import (
+from dyncp.cost_model.schema import load_profile
+from dyncp.profiling.profile import (
     MODELS,
     build_profile,
     fit_attention,
     fit_linear,
     fit_link,
 )
-from dyncp.cost_model.profile import (
+from dyncp.profiling.profile import (
     main as profile_main,
 )
-from dyncp.cost_model.schema import load_profile
-from dyncp.cost_model.validate import main as validate_main
-from dyncp.cost_model.validate import random_pack
+from dyncp.profiling.validate import main as validate_main
+from dyncp.profiling.validate import random_pack
 
 
 def test_attention_fit_recovers_coefficients() -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave
+from dyncp.plan_slice import own_slice
 from dyncp.planner import Planner
 from dyncp.ring_attention import make_ring_layout, zigzag_positions
 from dyncp.runtime import GroupPool, StepFailed, execute, reduce_gradients, reduce_loss
@@ -85,13 +86,15 @@ def reference(plan: StepPlan, seed: int) -> tuple[float, dict[str, torch.Tensor]
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _train_worker(rank: int, world: int, cases: list[tuple[str, int]]) -> list:
+def _train_worker(rank: int, world: int, cases: list[tuple[str, int, bool]]) -> list:
     pool = GroupPool()
     out = []
-    for plan_json, seed in cases:
+    for plan_json, seed, sliced in cases:
         plan = StepPlan.from_json(plan_json)
-        model = make_model()
         tokens = tokens_for(list(plan.lengths), seed)
+        if sliced:  # what a rank reads from a plan service publishing slices
+            plan = own_slice(plan, rank)
+        model = make_model()
         losses = []
 
         def step_fn(ctx, model=model, tokens=tokens, losses=losses) -> None:
@@ -120,7 +123,8 @@ def test_gradients_equal_single_process() -> None:
     mixed = [sorted({g.size for w in p.waves for g in w.groups}) for p, _ in plans]
     assert any({1, 2, 4} <= set(m) for m in mixed), mixed  # CP 1, 2 and 4 in one step
     assert len(mixed[-1]) == 1 and mixed[-1][0] > 1  # static: one ring size for everything
-    cases = [(p.to_json(), seed) for p, seed in plans]
+    plans.append((hand_plan(), 1))  # again, each rank running its slice of it
+    cases = [(p.to_json(), seed, c == len(plans) - 1) for c, (p, seed) in enumerate(plans)]
     results = run_gloo(_train_worker, world=WORLD, args=(cases,), timeout=240)
     for c, (plan, seed) in enumerate(plans):
         ref_loss, ref_grads = reference(plan, seed)
@@ -178,6 +182,7 @@ def _fail_worker(
 
     try:
         execute(plan, pool, step_fn)
+        reduce_loss([torch.zeros((), dtype=torch.float64)], pool=pool)  # where every rank meets
     except StepFailed as exc:
         return str(exc), list(exc.ranks)
     return "no error", []
@@ -194,7 +199,8 @@ def test_failing_step_fails_every_rank(bad_rank: int, bad_wave: int) -> None:
         pg_timeout=8,
     )
     # Every rank raised StepFailed (anything else fails run_gloo) naming the failing rank and
-    # carrying its error, including the ring peer that was blocked on it.
+    # carrying its error: the ring peer blocked on it in execute, the others (dataflow: no
+    # barrier between waves) at the reduction after it.
     for message, ranks in results:
         assert f"rank {bad_rank} failed in wave {bad_wave}" in message, message
         assert "ValueError: boom from the user's step" in message, message

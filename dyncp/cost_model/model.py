@@ -36,6 +36,9 @@ the output goes back the same way::
                  kv_bytes_per_token * (held / kv) * sum(p_i) / r          ring's hops span c
     a2a comm     layers * (4 latency + 2 b sum(p_i) / (c bandwidth))      never overlapped
 
+The attention of 1/u of the heads is A / u times ``head_scale(u)``: 1 (the plain assumption)
+unless calibration measured it (``attention.head_scales``).
+
 ``held = max(kv, u) / u`` KV heads per rank (kv < u: replicated); ``b = (2 query heads +
 2 max(kv, u)) x head_dim x dtype_bytes`` is a token's q, k, v and output (forward; the backward
 moves their gradients, as many bytes) and (latency, bandwidth) is ``all_to_all_link(u)``: four
@@ -80,6 +83,7 @@ class HeadSplit:
     ring_seconds_per_token: float
     exchange_latency: float
     exchange_seconds_per_token: float
+    attention_scale: float = 1.0  # measured cost of 1/heads of the heads, x A / heads
 
 
 class CostModel:
@@ -335,13 +339,22 @@ class CostModel:
             ring_seconds_per_token=ring_seconds,
             exchange_latency=4.0 * a2a_latency,
             exchange_seconds_per_token=2.0 * bytes_per_token / cp / a2a_bandwidth,
+            attention_scale=self.head_scale(heads),
         )
         self._splits[key] = split
         return split
 
+    def head_scale(self, heads: int) -> float:
+        """Measured cost of the attention of 1/``heads`` of the heads, as a multiple of A /
+        ``heads`` (``attention.head_scales``; 1 where not measured)."""
+        for h in self.profile.attention.head_scales:
+            if h.heads == heads:
+                return h.scale
+        return 1.0
+
     def _split_attention(self, s: HeadSplit, p: np.ndarray) -> np.ndarray:
         """Per sequence: one ring step's block of p/r tokens for 1/u of the heads."""
-        return self.attention_seconds(p / s.ring) / s.heads
+        return s.attention_scale * self.attention_seconds(p / s.ring) / s.heads
 
     def _split_seconds(
         self, s: HeadSplit, tokens: np.ndarray, step_attention: np.ndarray

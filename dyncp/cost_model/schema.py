@@ -95,7 +95,7 @@ class RunContext(_Strict):
     """How a measured profile's run was set up: what a validation or a user's run must match.
 
     Times measured with 4 processes sharing 2 cores, or with 8 threads instead of 1, describe
-    another machine; ``dyncp.cost_model.validate`` compares these fields before it compares
+    another machine; ``dyncp.profiling.validate`` compares these fields before it compares
     numbers.
     """
 
@@ -134,6 +134,20 @@ class ModelShape(_Strict):
     dtype_bytes: int = Field(gt=0)
 
 
+class HeadScale(_Strict):
+    """Attention of 1/``heads`` of the heads costs ``scale`` x A / ``heads`` (measured by
+    calibration; a head count not listed is priced at scale 1, the plain 1/u assumption)."""
+
+    heads: int = Field(ge=2)
+    scale: float = Field(gt=0)
+
+
+def _check_head_scales(scales: list[HeadScale]) -> None:
+    sizes = [h.heads for h in scales]
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError("attention.head_scales must be sorted by strictly increasing heads")
+
+
 class AttentionTable(_Strict):
     """Measured causal attention forward+backward seconds per layer for one sequence, cp = 1."""
 
@@ -147,9 +161,13 @@ class AttentionTable(_Strict):
     sequence_overhead_seconds: float = Field(
         ge=0, default=0.0, description="fixed cost per sequence per ring step, fwd+bwd"
     )
+    head_scales: list[HeadScale] = Field(
+        default=[], description="per head-split size u: measured attention cost of 1/u of heads"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AttentionTable:
+        _check_head_scales(self.head_scales)
         if len(self.lengths) != len(self.seconds):
             raise ValueError(
                 f"attention.lengths has {len(self.lengths)} entries but attention.seconds has "
@@ -175,6 +193,12 @@ class AttentionQuadratic(_Strict):
     step_overhead_seconds: float = Field(ge=0, default=0.0)
     backward_forward_ratio: float = Field(gt=0, default=2.5)
     sequence_overhead_seconds: float = Field(ge=0, default=0.0)
+    head_scales: list[HeadScale] = Field(default=[])
+
+    @model_validator(mode="after")
+    def _check(self) -> AttentionQuadratic:
+        _check_head_scales(self.head_scales)
+        return self
 
 
 class Link(_Strict):
@@ -332,6 +356,8 @@ class Profile(_Strict):
         data = self.model_dump(mode="json")
         if data.get("layer_mix") is None:
             data.pop("layer_mix", None)  # profiles without a mix keep their exact form
+        if not data["attention"].get("head_scales"):
+            data["attention"].pop("head_scales", None)  # nor without measured head scales
         if not data["communication"].get("all_to_all_links"):
             data["communication"].pop("all_to_all_links", None)  # nor without a head exchange
         return json.dumps(data, indent=2) + "\n"

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from dyncp.plan import PlanError, StepPlan
+from dyncp.plan_slice import PlanSlice
 from dyncp.ring_attention import HybridLayout, RingLayout, ring_attention
 from dyncp.testing.tiny_model import IGNORE, next_token_labels
 
@@ -225,18 +226,20 @@ def windowed_layers(model: nn.Module) -> list[str]:
     ]
 
 
-def plan_check(model: nn.Module) -> Callable[[StepPlan], None]:
+def plan_check(model: nn.Module) -> Callable[[StepPlan | PlanSlice], None]:
     """A check of each step's plan against ``model``, for ``execute(..., plan_check=...)``.
 
     Ring attention's windowed path runs on plain rings only, so a model with sliding-window
     layers cannot run a group that splits its heads (``Group.heads`` > 1). ``execute`` calls the
     check on every rank after the plan is agreed and validated and before any ring collective,
     so such a plan makes every rank raise the same PlanError instead of failing in its first
-    windowed layer after the layers before it have communicated.
+    windowed layer after the layers before it have communicated. (Given a PlanSlice it sees this
+    rank's groups only: the ranks of a split group refuse it, the others learn as from any
+    failed group.)
     """
     windowed = windowed_layers(model)
 
-    def check(plan: StepPlan) -> None:
+    def check(plan: StepPlan | PlanSlice) -> None:
         if not windowed:
             return
         split = [

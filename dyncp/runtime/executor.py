@@ -62,6 +62,7 @@ import torch
 
 from dyncp.agreement import PendingAgreement, PlanAgreementError, PlanMismatchError
 from dyncp.plan import Group, PlanError, StepPlan, plan_digest
+from dyncp.plan_slice import PlanSlice
 from dyncp.ring_attention import (
     HybridLayout,
     RingLayout,
@@ -177,7 +178,7 @@ class RankReport:
         return [(t.wave, t.cp, t.seconds) for t in self.timings]
 
 
-def _check(plan: StepPlan, pool: GroupPool, *, validate: bool) -> None:
+def _check(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
     if validate:
         plan.validate()
     if plan.topology.world != pool.world:
@@ -221,7 +222,7 @@ def _layout_maker(
 
 
 def execute(
-    plan: StepPlan,
+    plan: StepPlan | PlanSlice,
     pool: GroupPool,
     step_fn: Callable[[MicroBatchContext], object],
     *,
@@ -229,12 +230,14 @@ def execute(
     synchronize: Callable[[], None] | None = None,
     agree: bool = True,
     validate: bool = True,
-    plan_check: Callable[[StepPlan], None] | None = None,
+    plan_check: Callable[[StepPlan | PlanSlice], None] | None = None,
 ) -> RankReport:
     """Run this rank's share of ``plan``.
 
     Args:
-        plan: the step's plan (identical on every rank; checked unless ``agree=False``).
+        plan: the step's plan (identical on every rank; checked unless ``agree=False``), or
+            this rank's :class:`~dyncp.plan_slice.PlanSlice` of it (the ranks then compare the
+            slices' root, and only this rank's groups are checked: the maker validated the plan).
         pool: the pre-built groups.
         step_fn: forward + backward of one micro-batch; called with its context.
         labels_per_sequence: label tokens of each sequence (default: length - 1).
@@ -243,15 +246,17 @@ def execute(
             step already, e.g. by the sampler; one agreement per step is enough).
         validate: check the whole plan against the contract (False: this rank's groups only,
             for a plan validated where it was made).
-        plan_check: called with the plan on every rank after the checks below and before any
-            ring collective; raises (PlanError) to refuse a plan the model cannot run, e.g.
-            ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed layers).
+        plan_check: called with the plan (or slice) on every rank after the checks below and
+            before any ring collective; raises (PlanError) to refuse a plan the model cannot
+            run, e.g. ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed
+            layers; a slice shows it this rank's groups only).
 
     Raises:
         PlanMismatchError: some rank holds another plan, or is at another ``execute`` call (on
             every rank, before any other collective, naming the ranks and the digests).
         PlanError: the plan breaks the contract, needs a group the pool lacks or fails
-            ``plan_check`` (before any ring collective, identically on every rank).
+            ``plan_check`` (before any ring collective; identically on every rank for a whole
+            plan).
         StepFailed: a rank of one of this rank's groups failed the step (naming it and its
             error where known; see the module docstring for when and where the others learn).
     """
@@ -265,12 +270,13 @@ def execute(
     board = pool.board(f"c{call}")
     label = f"execute call {call}"
     entry, entry_wall = time.monotonic(), time.time()
+    sliced = isinstance(plan, PlanSlice)
     if agree:
         try:
             PendingAgreement(
                 pool.agreement_group,
                 where=(call,),
-                digest=plan_digest(plan),
+                digest=plan.digest if sliced else plan_digest(plan),
                 label=label,
                 device=pool.agreement_device,
             ).result()
@@ -279,13 +285,21 @@ def execute(
                 board, -1, me, exc, entered=entry, entered_wall=entry_wall, label=label
             )
             raise StepFailed(culprit.message, culprit.ranks) from exc
-    _check(plan, pool, validate=validate)
+    _check(plan, pool, validate=validate and not sliced)
     if plan_check is not None:
         plan_check(plan)
-    labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
-    if len(labels) != len(plan.lengths):
-        raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
-    total = sum(int(x) for x in labels)
+    if sliced:
+        if labels_per_sequence is not None:
+            raise ValueError(
+                "labels_per_sequence needs the whole plan; a PlanSlice carries the batch's label "
+                "tokens (length - 1 per sequence)"
+            )
+        total = plan.header.labels
+    else:
+        labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
+        if len(labels) != len(plan.lengths):
+            raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
+        total = sum(int(x) for x in labels)
     if total <= 0:
         raise ValueError("the global batch has no label tokens; nothing to train on")
     scale = 1.0 / total

@@ -49,10 +49,9 @@ def step_measurements(
 ) -> tuple[list[Measurement], list[WaveMeasurement]]:
     """Micro-batch and wave measurements of one executed step (``reports`` in axis order).
 
-    Micro-batches of groups split heads x ring (``Group.heads`` > 1) are left out of the
-    micro-batch measurements: the refit (``dyncp.cost_model.calibrate``) prices rings only, and
-    a split's time priced as a ring would pull the ring coefficients. Their time still counts in
-    the wave measurements.
+    Micro-batches of groups split heads x ring (``Group.heads`` > 1) carry their split
+    (``Measurement.heads``): the refit learns the head exchange and the attention of 1/u of the
+    heads from them (``dyncp.cost_model.calibrate``).
 
     Raises:
         ValueError: the reports do not match the plan (another step's, or a failed step's).
@@ -83,8 +82,7 @@ def step_measurements(
                         f"wave {w}, group at {g.start}, micro-batch {k}: no timing for it in "
                         "the reports (a failed step, or reports of another plan)"
                     )
-                if g.heads == 1:  # the refit prices rings; split groups count in waves only
-                    microbatches.append(Measurement(g.size, expect, seconds[key]))
+                microbatches.append(Measurement(g.size, expect, seconds[key], g.heads))
                 group_busy += seconds[key]
             busiest = max(busiest, group_busy)
         wall = max(rep.wave_seconds[w] for rep in reports if w < len(rep.wave_seconds))

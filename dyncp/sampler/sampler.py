@@ -22,12 +22,21 @@ from dyncp.calibration import OnlineCalibrator
 from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
 from dyncp.plan_auth import RUN_ENV, PlanSigner
+from dyncp.plan_slice import PlanSlice
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
 from dyncp.sampler.schedule import BatchSchedule
 from dyncp.sampler.sources import LocalPlans, SamplerCounters, StepInfo, StorePlans
-from dyncp.service import Fetched, PlanClient, PlanService, check_plan, plan_digest
+from dyncp.service import (
+    Fetched,
+    PlanClient,
+    PlanService,
+    SliceUnavailable,
+    check_plan,
+    check_slice_header,
+    plan_digest,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -54,7 +63,7 @@ class _Resume:
     epoch: int
     step: int
     offset: int
-    plan: StepPlan | None
+    plan: StepPlan | PlanSlice | None
 
 
 def _agreement(
@@ -119,6 +128,12 @@ class DynamicCPSampler:
             micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
+        slices: read each step's slice header and this rank's slice from the plan service
+            (``dyncp.plan_slice``: about a kilobyte per rank, checked against the header's
+            Merkle root, whose digest the ranks compare) instead of the whole plan; needs
+            ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
+            :class:`~dyncp.plan_slice.PlanSlice`. Not with ``calibrate`` (measurements need the
+            whole plan).
         run_id: the run the plan records are bound to (a record of an earlier run of the same
             job does not verify; see ``dyncp.plan_auth``). Default: ``$DYNCP_RUN_ID``; else,
             when a rank of the job serves in-process (the default), an id drawn for this run and
@@ -161,8 +176,14 @@ class DynamicCPSampler:
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
         calibrate: bool | OnlineCalibrator = False,
         run_id: str | None = None,
+        slices: bool = False,
     ) -> None:
         topo = planner.topology
+        if slices and (store is None or calibrate is not False):
+            raise ValueError(
+                "slices=True needs store= (slices come from the plan service) and no calibrate= "
+                "(measurements are matched against the whole plan)"
+            )
         if calibrate is not False and store is None:
             raise ValueError(
                 "calibrate= needs store= (model versions reach the ranks through the plan "
@@ -231,6 +252,7 @@ class DynamicCPSampler:
                 secret=secret,
                 models=None if calibrate is False else ModelChannel(store, prefix, signer=signer),
                 run_id=self.run_id,
+                slices=slices,
             )
             service = None
             if serves:
@@ -254,6 +276,7 @@ class DynamicCPSampler:
                     secret=secret,
                     calibration=self.calibration,
                     run_id=self.run_id,
+                    slices=slices,
                 )
             self._source = StorePlans(client, service)
         self.agree_ahead = agree_ahead
@@ -327,21 +350,38 @@ class DynamicCPSampler:
                 yield mb
             offset = 0
 
-    def _prepare(self, epoch: int, step: int, plan: StepPlan | None) -> _Prepared:
+    def _prepare(self, epoch: int, step: int, plan: StepPlan | PlanSlice | None) -> _Prepared:
         """Obtain a step's plan and start comparing its digest with the other ranks'."""
         start = time.perf_counter()
+        unavailable: SliceUnavailable | None = None
         if plan is not None:
             ids, lengths = self.schedule.batch(epoch, step)
-            check_plan(plan, topology=self.planner.topology, sample_ids=ids, lengths=lengths)
+            if isinstance(plan, PlanSlice):
+                check_slice_header(plan.header, topology=self.planner.topology, lengths=lengths)
+            else:
+                check_plan(plan, topology=self.planner.topology, sample_ids=ids, lengths=lengths)
             fetched = Fetched(plan, "restored", None, True)
         else:
-            fetched = self._source.fetch(epoch, step)
+            try:
+                fetched = self._source.fetch(epoch, step)
+            except SliceUnavailable as exc:  # the others hold theirs: make them all raise
+                if self.agreement is None:
+                    raise
+                unavailable = exc
         wait = time.perf_counter() - start
-        digest = plan_digest(fetched.plan)
+        if unavailable is not None:
+            digest = unavailable.digest ^ 1  # a digest no rank holding its slice has
+        else:
+            plan = fetched.plan
+            digest = plan.digest if isinstance(plan, PlanSlice) else plan_digest(plan)
         pending = None
         if self.agreement is not None:
             label = f"epoch {epoch} step {step}"
             pending = self.agreement.start(where=(epoch, step), digest=digest, label=label)
+        if unavailable is not None:
+            assert pending is not None
+            pending.result()  # raises PlanMismatchError on every rank, naming this one
+            raise unavailable
         return _Prepared(fetched, wait, digest, pending)
 
     def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
@@ -417,6 +457,7 @@ class DynamicCPSampler:
                     f"the last {RECENT_PLANS} steps); save the state closer to training"
                 )
             state["plan"] = plan.to_json()
+            state["plan_kind"] = "slice" if isinstance(plan, PlanSlice) else "plan"
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -441,7 +482,10 @@ class DynamicCPSampler:
                 f"state saved mid-step by rank {state['rank']} cannot resume rank {self.rank}; "
                 "save at a step boundary (or each rank's own state)"
             )
-        plan = StepPlan.from_json(state["plan"]) if offset else None
+        plan: StepPlan | PlanSlice | None = None
+        if offset:
+            kind = state.get("plan_kind", "plan")
+            plan = (PlanSlice if kind == "slice" else StepPlan).from_json(state["plan"])
         self.epoch = int(state["epoch"])
         self._resume = _Resume(self.epoch, int(state["step"]), offset, plan)
         self._position = (self.epoch, int(state["step"]), offset)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import re
 import tempfile
 import time
 import traceback
@@ -22,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_gloo", "SpawnError"]
+__all__ = ["CountingStore", "SpawnError", "run_gloo"]
+
+_COMM = re.compile(r"connectFullMesh|Connection (closed|reset)|timed out|Timed out", re.IGNORECASE)
 
 
 class SpawnError(RuntimeError):
@@ -78,13 +81,56 @@ def run_gloo(
                     if p.is_alive():
                         p.kill()
                 raise SpawnError(f"{world} gloo ranks did not finish within {timeout} s")
-        results = []
+        results, errors = [], []
         for rank in range(world):
             path = Path(tmp, f"rank{rank}.pkl")
             if not path.exists():
                 raise SpawnError(f"rank {rank} exited without a result")
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
-                raise SpawnError(f"rank {rank} raised:\n{value}")
+                errors.append((rank, value))
             results.append(value)
+        if errors:
+            # The cause, not its echo: a rank that raised takes its connections down, and a
+            # slower peer (still connecting, or in a collective with it) then fails on those.
+            causes = [e for e in errors if not _COMM.search(e[1].strip().splitlines()[-1])]
+            rank, text = (causes or errors)[0]
+            raise SpawnError(f"rank {rank} raised:\n{text}")
         return results
+
+
+class CountingStore(dist.Store):
+    """A Store written in Python that counts every request before passing it on.
+
+    A seam for tests and benchmarks (how many Store requests a step makes), and a Python
+    subclass of ``torch.distributed.Store``: whoever keeps only a wrapper around it (a
+    ``PrefixStore``) lets it be collected.
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner, self.requests = inner, 0
+
+    def set(self, key, value):
+        self.requests += 1
+        self.inner.set(key, value)
+
+    def get(self, key):
+        self.requests += 1
+        return self.inner.get(key)
+
+    def add(self, key, amount):
+        self.requests += 1
+        return self.inner.add(key, amount)
+
+    def check(self, keys):
+        self.requests += 1
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        self.requests += 1
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        self.requests += 1
+        return self.inner.delete_key(key)
