@@ -2,7 +2,7 @@
 
     python bench/planner_bench.py [--steps 50] [--cpsat-steps 10] [--profile h100-reference]
                                   [--data ../shared/datasets] [--contention 1] [--scale]
-                                  [--explain 3]
+                                  [--explain 3] [--determinism]
 
 Scenarios (512 sequences per step on 64 ranks, 8 per node, max length 131072): the two shared
 length files (full parquet files when ``--data`` holds them, else the bundled samples) at
@@ -24,7 +24,11 @@ remaining gap to the tight bound CP-SAT closes (mean over batches of (constructe
 and 131072 on 16384 ranks and prints the wall time of ``plan()`` and its parts. ``--explain N``
 prints, per scenario, the N batches furthest from the bound as text Gantts: each wave's level,
 its groups of more than one rank (size, seconds, sequences, the long ones named) and the spread
-of its single ranks' loads -- where a plan loses time is visible there.
+of its single ranks' loads -- where a plan loses time is visible there. ``--determinism`` prints,
+per scenario, what deterministic mode (``deterministic=True``: every candidate priced, no clock
+read; the simulator's default) costs against the wall-clock ``dyncp`` in the same run: plan
+latency p50/p99 of each and their ratio, the ratio of mean predicted step seconds, and whether the
+deterministic plans planned quiet and again under ``--contention`` are identical (they must be).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import numpy as np
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.plan import StepPlan
+from dyncp.plan import StepPlan, plan_digest
 from dyncp.planner import Planner
 from dyncp.sim.replay import admit, draw_batches
 
@@ -202,6 +206,35 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
             print("\n".join(explain(plan, model, capacity)), flush=True)
 
 
+def run_determinism(model: CostModel, args: argparse.Namespace) -> None:
+    print(
+        f"{'scenario':<34}{'cap':>6}{'wall p50':>9}{'wall p99':>9}{'det p50':>9}{'det p99':>9}"
+        f"{'p50 x':>7}{'p99 x':>7}{'step det/wall':>14}  same plans under load"
+    )
+    for name, capacity, batches in scenarios(args):
+        wall = planner(model, capacity, time_limit=args.time_limit)
+        det = planner(model, capacity, deterministic=True)
+        wall_lat, det_lat, wall_secs, det_secs, quiet = [], [], [], [], []
+        for batch in batches:
+            a, b = wall.plan(batch), det.plan(batch)
+            wall_lat.append(a.stats["timings"]["plan_seconds"])
+            det_lat.append(b.stats["timings"]["plan_seconds"])
+            wall_secs.append(a.stats["predicted_step_seconds"])
+            det_secs.append(b.stats["predicted_step_seconds"])
+            quiet.append(plan_digest(b))
+        with contention(max(args.contention, 1)):
+            loaded = [plan_digest(det.plan(batch)) for batch in batches]
+        same = sum(x == y for x, y in zip(quiet, loaded))
+        print(
+            f"{name:<34}{capacity:>6}{ms(wall_lat, 50):>9.1f}{ms(wall_lat, 99):>9.1f}"
+            f"{ms(det_lat, 50):>9.1f}{ms(det_lat, 99):>9.1f}"
+            f"{ms(det_lat, 50) / ms(wall_lat, 50):>6.2f}x"
+            f"{ms(det_lat, 99) / ms(wall_lat, 99):>6.2f}x"
+            f"{np.mean(det_secs) / np.mean(wall_secs):>14.4f}  {same}/{len(batches)}",
+            flush=True,
+        )
+
+
 def run_scale(model: CostModel, args: argparse.Namespace) -> None:
     path = args.data / FILES["wikipedia"]
     source = path if path.exists() else resolve_dataset("wikipedia")
@@ -239,6 +272,9 @@ def main() -> None:
     parser.add_argument("--scale-steps", type=int, default=2)
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument(
+        "--determinism", action="store_true", help="deterministic mode's cost (docstring)"
+    )
+    parser.add_argument(
         "--explain", type=int, default=0, help="text Gantts of the N worst batches per scenario"
     )
     args = parser.parse_args()
@@ -250,6 +286,8 @@ def main() -> None:
     )
     if not args.no_quality:
         run_quality(model, args)
+    if args.determinism:
+        run_determinism(model, args)
     if args.scale:
         run_scale(model, args)
 

@@ -16,10 +16,15 @@
 Step-level metrics describe the whole job: report each step once (rank 0 or the plan service),
 not once per rank. Names follow Prometheus conventions (base units; ``_seconds``, ``_ratio``,
 ``_total``); labels come from bounded sets only: ``policy`` (the constructor's ``policies``),
-``source`` (predicted / measured), ``cp_size`` (the menu's sizes and powers of two), ``status``
-(solver outcomes), ``reason`` (fallback reasons), and for online calibration ``stage`` (before /
-after a refit), ``outcome`` (adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label
-is opt-in (``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
+``source`` (predicted / measured), ``cp_size`` (the menu's sizes and powers of two), ``layout``
+(``ring<c>``, ``a2a<u>``, ``a2a<u>xring<r>``), ``status`` (solver outcomes), ``reason``
+(fallback reasons), and for online calibration ``stage`` (before / after a refit), ``outcome``
+(adopted / kept) and ``kind`` (fitted / outliers). A ``rank`` label is opt-in
+(``rank_label=True``): it adds ``dyncp_rank_busy_seconds`` with one series per rank.
+
+Every labelled series the bundled dashboard and rules read exists from the first scrape
+(counters and histograms at 0, latest-value gauges at NaN until a value is observed), given
+``cp_sizes``; series of other CP sizes and of head-split layouts appear when first observed.
 
 Multi-process mode: when several processes on a host write metrics (trainer ranks, DataLoader
 workers running the sampler, the plan service), set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
@@ -130,6 +135,16 @@ def _multiprocess_dir() -> str | None:
     if multiprocess_values and not (path and os.path.isdir(path)):
         raise RuntimeError(f"{MULTIPROC_ENV}={path!r} is not an existing directory")
     return path or None
+
+
+def _no_value_yet(child: Any) -> None:
+    """Create a latest-value gauge's series holding NaN ("no value yet").
+
+    Written without a timestamp (the value object's ``set``, not ``Gauge.set``): in
+    multi-process mode the "mostrecent" gauges report the value written last, and a process
+    starting after another has reported a step must not replace that step's value with NaN.
+    """
+    child._value.set(math.nan)
 
 
 def _finite(name: str, value: float, *, positive: bool = False) -> float:
@@ -308,7 +323,7 @@ class Metrics:
             **last,
         )
         for stage in CALIBRATION_STAGES:
-            self.calibration_error.labels(stage)
+            _no_value_yet(self.calibration_error.labels(stage))
         self.calibration_refused = Counter(
             "dyncp_cost_model_calibration_refused",
             "Measurements online calibration refused, by reason: record (a whole record "
@@ -322,7 +337,7 @@ class Metrics:
         for reason in ("record", "entry", "dropped"):
             self.calibration_refused.labels(reason)
         for kind in ("fitted", "outliers"):
-            self.calibration_measurements.labels(kind)
+            _no_value_yet(self.calibration_measurements.labels(kind))
         self.rank_busy: Gauge | None = None
         if rank_label:
             self.rank_busy = Gauge(
@@ -334,15 +349,30 @@ class Metrics:
             )
         self._cp_sizes: set[int] = set()
         self._menu: frozenset[int] = frozenset()
+        # Every labelled series a dashboard or rule reads exists from the first scrape, so a
+        # panel shows "none yet" rather than "no data" (e.g. solver outcomes when CP-SAT never
+        # ran): counters and histograms at zero, the latest-value gauges at NaN (no step yet:
+        # a 0 would read as a perfectly balanced, optimal, exactly predicted step).
         for policy in self.policies:
             for source in SOURCES:
                 self.step_imbalance.labels(policy, source)
                 self.step_seconds.labels(policy, source)
+                _no_value_yet(self.last_step_imbalance.labels(policy, source))
+                _no_value_yet(self.last_step_seconds.labels(policy, source))
             self.plan_seconds.labels(policy)
             self.relative_error.labels(policy)
             self.late_plans.labels(policy)
+            for gauge in (
+                self.gap_to_lower_bound,
+                self.lower_bound_seconds,
+                self.lookahead_steps,
+                self.last_signed_error,
+            ):
+                _no_value_yet(gauge.labels(policy))
             for reason in FALLBACK_REASONS:
                 self.fallback_plans.labels(policy, reason)
+            for status in SOLVER_STATUSES:
+                self.solver_status.labels(policy, status)
         menu = [int(cp) for cp in cp_sizes]
         bad = [cp for cp in menu if cp < 1]
         if bad:
@@ -372,6 +402,7 @@ class Metrics:
             for policy in self.policies:
                 for family in (self.microbatches, self.sequences, self.tokens, self.padding_tokens):
                     family.labels(policy, label)
+                self.layout_sequences.labels(policy, f"ring{cp}")  # splits appear when planned
         return label
 
     def _observe_balance(self, policy: str, source: str, imbalance: float, seconds: float) -> None:

@@ -1,7 +1,7 @@
 """Train a Hugging Face causal LM (transformers) under dynamic CP.
 
     torchrun --nproc-per-node 2 examples/train_hf.py --steps 5                 # tiny Llama, CPU
-    torchrun --nproc-per-node 4 examples/train_hf.py --family qwen3 --metrics-port 9400
+    torchrun --nproc-per-node 4 examples/train_hf.py --family qwen3 --max-length 2048  # CP 1, 2, 4
     torchrun --nproc-per-node 8 examples/train_hf.py --backend nccl --config /path/to/model_dir
     torchrun --nproc-per-node 2 examples/train_hf.py --sampler --steps 5       # DynamicCPSampler
 
@@ -13,7 +13,8 @@ executes its share with ``runtime.execute`` (``causal_lm_loss`` shards tokens, p
 shifted labels with the zigzag layout), reduces the gradients over the DP x CP axis and steps
 the optimiser. Rank 0 prints the loss, the CP sizes used, the measured and predicted step time;
 ``--metrics-port`` serves the Prometheus metrics from rank 0. Document lengths come from a
-bundled real distribution (truncated to ``--max-length``), tokens are random.
+bundled real distribution (truncated to ``--max-length``; each step's line says how many of its
+documents were), tokens are random.
 
 ``--sampler``: the steps come from ``DynamicCPSampler`` instead (seeded global batches of the
 dataset, every sample exactly once per epoch, plans from its lookahead thread; the same
@@ -35,12 +36,12 @@ import transformers
 
 from dyncp.cost_model import CostModel
 from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
+from dyncp.integrations.hf import causal_lm_loss, plan_check, register_ring_attention
 from dyncp.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.sampler import DynamicCPSampler
-from dyncp.sim.replay import admit, draw_batches
+from dyncp.sim.replay import admit, draw_batch_indices
 from dyncp.testing.hf_models import FAMILIES, tiny_config
 
 
@@ -53,7 +54,8 @@ def build_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
 
 
 def steps(args, planner, lengths, config, world: int, rank: int):
-    """``(plan, tokens)`` per step: ``tokens(i)`` is sequence i of the plan (or dataset row i).
+    """``(plan, tokens, rows)`` per step: ``tokens(i)`` is sequence i of the plan (or dataset
+    row i); ``rows`` are the dataset rows of the plan's sequences, in order.
 
     Tokens are random but a pure function of the row (or step and sequence), so every rank
     sees the same data without communication.
@@ -64,13 +66,14 @@ def steps(args, planner, lengths, config, world: int, rank: int):
         return torch.randint(0, config.vocab_size, (int(lengths[i]),), generator=gen)
 
     if not args.sampler:
-        batches = draw_batches(
+        batches = draw_batch_indices(
             lengths, steps=args.steps, seed=args.seed, global_batch_tokens=args.global_batch_tokens
         )
-        for step, batch in enumerate(batches):
+        for step, rows in enumerate(batches):
+            batch = lengths[rows]
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             tokens = [torch.randint(0, config.vocab_size, (int(s),), generator=gen) for s in batch]
-            yield planner.plan(batch), tokens.__getitem__
+            yield planner.plan(batch), tokens.__getitem__, rows
         return
     plans: dict[tuple[int, int], object] = {}
     sampler = DynamicCPSampler(
@@ -86,7 +89,8 @@ def steps(args, planner, lengths, config, world: int, rank: int):
     done = 0
     for mb in sampler:  # this rank's micro-batches; execute runs them, they mark the steps
         if mb.meta.last_in_step:
-            yield plans.pop((mb.meta.epoch, mb.meta.step)), row_tokens
+            plan = plans.pop((mb.meta.epoch, mb.meta.step))
+            yield plan, row_tokens, np.asarray(plan.sample_ids, dtype=np.int64)
             done += 1
             if done == args.steps:
                 break
@@ -148,13 +152,20 @@ def main() -> None:
     model = model.to(device).train()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    lengths, admission = admit(
-        load_lengths(resolve_dataset(args.dataset)), args.max_length, "truncate"
-    )
+    raw = load_lengths(resolve_dataset(args.dataset))
+    lengths, admission = admit(raw, args.max_length, "truncate")
     if rank == 0:
-        print(f"{type(model).__name__} ({attn}), {world} ranks, {pool}; {admission.summary()}")
-    for step, (plan, tokens) in enumerate(steps(args, planner, lengths, config, world, rank)):
+        print(
+            f"{type(model).__name__} ({attn}), {world} ranks, {pool}; dataset {args.dataset}: "
+            f"{len(raw)} documents, {admission.overlong_documents} of them longer than "
+            f"--max-length {args.max_length} (truncated to it when a step draws them)"
+        )
+    check = plan_check(model)  # e.g. head splits with sliding-window layers: refused up front
+    for step, (plan, tokens, rows) in enumerate(
+        steps(args, planner, lengths, config, world, rank)
+    ):
         batch = plan.lengths
+        truncated = int((raw[rows] > args.max_length).sum())
         losses = []
 
         def step_fn(ctx, tokens=tokens, losses=losses) -> None:
@@ -166,7 +177,7 @@ def main() -> None:
 
         start = time.perf_counter()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
-        report = execute(plan, pool, step_fn, synchronize=sync)
+        report = execute(plan, pool, step_fn, synchronize=sync, plan_check=check)
         reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis; names a failed rank
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -188,7 +199,8 @@ def main() -> None:
             st = plan.stats
             sizes = sorted(set(plan.cp_of_sequences().values()))
             print(
-                f"step {step}: loss {loss.item():.4f}  docs {len(batch)}  waves {st['waves']}  "
+                f"step {step}: loss {loss.item():.4f}  docs {len(batch)} ({truncated} truncated)  "
+                f"waves {st['waves']}  "
                 f"cp sizes {sizes}  measured {seconds:.3f} s  predicted "
                 f"{st['predicted_step_seconds']:.3f} s ({args.profile})  imbalance measured "
                 f"{busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.metrics import FALLBACK_REASONS, Metrics
+from dyncp.metrics import DEFAULT_POLICIES, FALLBACK_REASONS, SOLVER_STATUSES, Metrics
 from dyncp.planner.planner import POLICIES, Planner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,3 +377,31 @@ def test_rules_load_and_evaluate_on_prometheus(live: Live) -> None:
         timeout=15,
     )
     assert {row["metric"]["policy"] for row in padding} == set(POLICIES)
+
+
+SOLVER_TOTAL = "dyncp_solver_status_total"
+
+
+def test_a_fresh_exporter_serves_every_series_the_dashboard_and_rules_read() -> None:
+    """Before any step (and when CP-SAT never runs), every metric the dashboard and the rules
+    query is in the exposition of an exporter built as the callers build it, so no panel shows
+    "no data": counters and histograms at zero, latest-value gauges at NaN (no step yet)."""
+    text = Metrics(cp_sizes=(1, 2, 4, 8)).exposition().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    names = {s.name for s in samples}
+    wanted = dashboard_metric_names() | set(METRIC.findall(RULES.read_text()))
+    missing = sorted(wanted - names)
+    assert not missing, f"absent from a fresh exposition: {missing}"
+    by_name: dict[str, list] = {}
+    for s in samples:
+        by_name.setdefault(s.name, []).append(s)
+    solver = {(s.labels["policy"], s.labels["status"]) for s in by_name[SOLVER_TOTAL]}
+    assert solver == {(p, st) for p in DEFAULT_POLICIES for st in SOLVER_STATUSES}
+    layouts = {s.labels["layout"] for s in by_name["dyncp_layout_sequences_total"]}
+    assert layouts == {"ring1", "ring2", "ring4", "ring8"}
+    for name in wanted:
+        for s in by_name[name]:
+            if name.endswith(("_total", "_count", "_sum", "_bucket")):
+                assert s.value == 0, s
+            elif name != "dyncp_cost_model_version":  # unlabelled, 0 = the loaded profile
+                assert s.value != s.value, s  # NaN: no step observed yet

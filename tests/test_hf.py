@@ -25,15 +25,18 @@ pytest.importorskip("transformers")
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.integrations.hf import (  # noqa: E402
     causal_lm_loss,
+    plan_check,
     register_ring_attention,
     shard_inputs,
+    windowed_layers,
 )
-from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave  # noqa: E402
+from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
 from dyncp.ring_attention import make_ring_layout  # noqa: E402
 from dyncp.runtime import (  # noqa: E402
     GroupPool,
     MicroBatchContext,
+    StepFailed,
     execute,
     reduce_gradients,
     reduce_loss,
@@ -204,3 +207,81 @@ def test_bad_use_is_refused_with_a_clear_error() -> None:
         causal_lm_loss(ring, ctx, packed[:5])
     with pytest.raises(ValueError, match="already registered"):
         register_ring_attention("sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama", WINDOWED])
+def test_a_padding_mask_is_refused_before_any_layer(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transformers builds no mask for an attention it has no mask function for, so a padding
+    mask would be dropped (logits as without it); dyncp registers one that refuses it, before
+    the first layer attends. An all-ones mask masks nothing and gives the unmasked logits."""
+    lengths = (4, 3)
+    ctx = _context(lengths)
+    inputs = shard_inputs(ctx, torch.cat(tokens_for(lengths, 0)))
+    del inputs["labels"]
+    ring = make_model(family, register_ring_attention())
+    plain = ring(**inputs, use_cache=False, ring_layout=ctx.layout).logits
+    ones = torch.ones_like(inputs["input_ids"])
+    same = ring(**inputs, attention_mask=ones, use_cache=False, ring_layout=ctx.layout).logits
+    assert torch.equal(same, plain)
+    padded = ones.clone()
+    padded[0, -2:] = 0
+
+    def no_layer(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a layer attended before the mask was refused")
+
+    monkeypatch.setattr("dyncp.integrations.hf.ring_attention", no_layer)
+    with pytest.raises(ValueError, match=r"no padding mask.*masks out 2 position"):
+        ring(**inputs, attention_mask=padded, use_cache=False, ring_layout=ctx.layout)
+
+
+def split_plan() -> StepPlan:
+    """One wave: all 4 ranks as heads 2 x ring 2 (the tiny models have 4 query, 2 KV heads)."""
+    topo = Topology(WORLD, 2, 256, (1, 2, 4), (1, 2), 4, 2)
+    return StepPlan(topo, (37, 90), (Wave((Group(0, 4, (MicroBatch((0, 1)),), heads=2),)),))
+
+
+def _split_window_worker(rank: int, world: int, plan_json: str) -> dict:
+    plan = StepPlan.from_json(plan_json)
+    pool = GroupPool(head_sizes=(1, 2))
+    model = make_model(WINDOWED, register_ring_attention())
+    tokens = tokens_for(plan.lengths, 0)
+    calls = {"step_fn": 0, "forward": 0}
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__("forward", calls["forward"] + 1))
+
+    def step_fn(ctx) -> None:
+        calls["step_fn"] += 1
+        causal_lm_loss(model, ctx, torch.cat([tokens[i] for i in ctx.seq_ids]), kernel="math")
+
+    out = {}
+    try:
+        execute(plan, pool, step_fn, plan_check=plan_check(model))
+    except PlanError as exc:
+        out["checked"] = (exc.rule, str(exc), dict(calls))
+    try:  # without the check, causal_lm_loss refuses before the model's forward
+        execute(plan, pool, step_fn)
+    except StepFailed as exc:
+        out["unchecked"] = (str(exc), dict(calls))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_head_split_with_a_windowed_layer_is_refused_before_any_collective() -> None:
+    """Ring attention's windowed path runs on plain rings only. Given ``plan_check(model)``,
+    ``execute`` refuses a head-split plan on every rank before any micro-batch runs; without
+    it, ``causal_lm_loss`` refuses it on every rank of the group before the model's forward
+    (so before the first layer's all-to-all), and the step fails on every rank."""
+    plan = split_plan()
+    plan.validate()
+    assert windowed_layers(make_model(WINDOWED, "sdpa")) == ["model.layers.1.self_attn"]
+    assert windowed_layers(make_model("qwen3", "sdpa")) == []
+    plan_check(make_model("llama", "sdpa"))(plan)  # no window: head splits are fine
+    results = run_gloo(_split_window_worker, world=WORLD, args=(plan.to_json(),), timeout=150)
+    for r in range(WORLD):
+        rule, message, calls = results[r]["checked"]
+        assert rule == "head-split-window" and "heads 2 x ring 2" in message, message
+        assert calls == {"step_fn": 0, "forward": 0}
+        message, calls = results[r]["unchecked"]
+        assert "sliding-window layers" in message, message
+        assert calls == {"step_fn": 1, "forward": 0}

@@ -31,7 +31,10 @@ from dyncp.sim.report import summarise
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--world", "8", "--ranks-per-node", "4", "--capacity", "512", "--max-length", "4096"]
-BOUNDED_LABELS = {"policy", "source", "cp_size", "status", "reason", "stage", "outcome", "kind"}
+BOUNDED_LABELS = {
+    *("policy", "source", "cp_size", "status", "reason", "stage", "outcome", "kind"),
+    "layout",  # ring<c> / a2a<u> / a2a<u>xring<r>: bounded by the CP and head sizes
+}
 
 
 @functools.cache

@@ -108,30 +108,55 @@ def read_all(reader: PlanClient, steps: int, pause: float = 0.0) -> list:
     return out
 
 
+def read_one(reader: PlanClient, step: int) -> tuple:
+    fetched = reader.fetch(0, step)
+    return plan_digest(fetched.plan), fetched.source, fetched.reason, fetched.ready
+
+
+def wait_for_key(master, key: str) -> None:
+    """Until ``key`` is in the store; fails after ``HANG_SECONDS`` (never hangs)."""
+    stop = time.monotonic() + HANG_SECONDS
+    while not master.check([key]):
+        assert time.monotonic() < stop, f"{key} not published within {HANG_SECONDS} s"
+        time.sleep(0.01)
+
+
 # ------------------------------------------------------------------------------ one process
 
 
 def test_readers_use_published_plans_and_old_keys_are_deleted(master) -> None:
+    """Load-independent: the planners are deterministic (a wall-clock one plans differently on
+    a loaded machine), and the reader, rather than sleeping a fixed time, waits (at most
+    ``HANG_SECONDS``) until the service has published the next step unasked -- which only
+    lookahead does -- so every plan after the first is there when asked."""
     schedule = make_schedule(make_lengths())
     steps = schedule.num_steps(0)
     with PlanService(
-        client(master), source=schedule, planner=make_planner(), prefix="p", lookahead=2
+        client(master),
+        source=schedule,
+        planner=make_planner(deterministic=True),
+        prefix="p",
+        lookahead=2,
     ):
         reader = PlanClient(
             client(master),
             source=schedule,
-            planner=make_planner(),
+            planner=make_planner(deterministic=True),
             prefix="p",
             rank=0,
-            deadline=10.0,
+            deadline=HANG_SECONDS,
             keep_steps=2,
         )
-        got = read_all(reader, steps, pause=0.1)
+        got = []
+        for step in range(steps):
+            got.append(read_one(reader, step))
+            if step + 1 < steps:
+                wait_for_key(master, step_key("p", 0, step + 1))
     assert [g[1] for g in got] == ["service"] * steps
     assert all(g[3] for g in got[1:]), "with lookahead the plans after the first are ready"
     for step, (digest, *_) in enumerate(got):
         ids, lengths = schedule.batch(0, step)
-        assert digest == plan_digest(plan_batch(make_planner(), ids, lengths))
+        assert digest == plan_digest(plan_batch(make_planner(deterministic=True), ids, lengths))
     live = [s for s in range(steps) if master.check([step_key("p", 0, s)])]
     assert live == list(range(steps - 2, steps)), "rank 0 deletes keys keep_steps behind it"
 

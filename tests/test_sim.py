@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.planner.planner import ALL_POLICIES, POLICIES
 from dyncp.sim.__main__ import main
-from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batches
+from dyncp.sim.replay import OVERLONG_ACTIONS, admit, draw_batch_indices, draw_batches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +150,9 @@ def test_draw_batches_by_tokens(n: int, steps: int, seed: int, budget: int) -> N
     assert len(set(tail)) == len(tail)
     again = list(draw_batches(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
     assert [b.tolist() for b in again] == [b.tolist() for b in batches]
+    # The indices behind the batches (what examples use to name the rows they train on).
+    rows = list(draw_batch_indices(lengths, steps=steps, seed=seed, global_batch_tokens=budget))
+    assert [lengths[r].tolist() for r in rows] == [b.tolist() for b in batches]
 
 
 @settings(max_examples=40, deadline=None)
@@ -276,13 +279,51 @@ def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "truncated" in err  # the bundled Wikipedia sample has documents over 4096 tokens
 
 
-def test_cli_deterministic_per_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class LoadedClock:
+    """``time.perf_counter`` of a machine so loaded that each reading is ``step`` seconds after
+    the previous one: any deadline the planners set has passed by the next reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 1000.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_cli_deterministic_per_seed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same arguments and seed, same numbers, whatever the load: the second run's clock jumps
+    0.5 s at every reading, so a planner that consulted it would stop at its first candidate."""
     a, out_a, _ = run_cli(tmp_path, capsys, "--seed", "5", name="a.json")
-    b, out_b, _ = run_cli(tmp_path, capsys, "--seed", "5", name="b.json")
+    with monkeypatch.context() as m:
+        m.setattr("time.perf_counter", LoadedClock(0.5))
+        b, out_b, _ = run_cli(tmp_path, capsys, "--seed", "5", name="b.json")
     assert without_timings(a) == without_timings(b)
+    assert a["config"]["planner"] == "deterministic" and a["config"]["time_limit"] is None
     c, _, _ = run_cli(tmp_path, capsys, "--seed", "6", name="c.json")
     for name in POLICIES:
         assert c["policies"][name]["step_seconds"] != a["policies"][name]["step_seconds"], name
+
+
+def test_cli_time_limit_is_the_load_dependent_anytime_planner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--time-limit`` plans under a wall-clock deadline: on the loaded clock its dyncp plans
+    differ from the quiet deterministic ones (what the default mode protects the numbers from)."""
+    quiet, _, _ = run_cli(tmp_path, capsys, "--policies", "dyncp", name="quiet.json")
+    with monkeypatch.context() as m:
+        m.setattr("time.perf_counter", LoadedClock(0.5))
+        loaded, _, _ = run_cli(
+            tmp_path, capsys, "--policies", "dyncp", "--time-limit", "0.1", name="loaded.json"
+        )
+    assert loaded["config"]["planner"] == "wall-clock" and loaded["config"]["time_limit"] == 0.1
+    assert without_timings(loaded)["policies"] != without_timings(quiet)["policies"]
+    for bad in ("0", "-1", "nan", "1e9", "soon"):
+        with pytest.raises(SystemExit):
+            main([*SMALL, "--time-limit", bad])
+        assert "--time-limit" in capsys.readouterr().err
 
 
 def test_cli_policy_subset_and_wlbllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

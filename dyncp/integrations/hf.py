@@ -38,12 +38,15 @@ logits to fp32 unconditionally, which would make an fp64 check of exactness impo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dyncp.ring_attention import RingLayout, ring_attention
+from dyncp.plan import PlanError, StepPlan
+from dyncp.plan_slice import PlanSlice
+from dyncp.ring_attention import HybridLayout, RingLayout, ring_attention
 from dyncp.testing.tiny_model import IGNORE, next_token_labels
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 
 try:
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "dyncp.integrations.hf needs transformers: pip install 'dyncp[hf]'"
@@ -59,9 +63,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "causal_lm_loss",
+    "plan_check",
     "register_ring_attention",
     "ring_attention_forward",
+    "ring_attention_mask",
     "shard_inputs",
+    "windowed_layers",
 ]
 
 #: The name under which :func:`register_ring_attention` registers ring attention.
@@ -72,7 +79,10 @@ def register_ring_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     """Register :func:`ring_attention_forward` in transformers' attention registry.
 
     Registration is global to the process (every model whose config names ``name`` uses it) and
-    idempotent. Call it on every rank before building or switching the model.
+    idempotent. Call it on every rank before building or switching the model. The name is also
+    registered as a mask implementation (:func:`ring_attention_mask`): transformers drops the
+    mask of an attention it has no mask function for, so without it a padding mask passed to the
+    model would be silently ignored instead of refused.
 
     Returns:
         ``name``, to pass as ``attn_implementation``.
@@ -83,13 +93,44 @@ def register_ring_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     taken = AttentionInterface._global_mapping.get(name)
-    if name == "eager" or (taken is not None and taken is not ring_attention_forward):
+    masked = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    if (
+        name == "eager"
+        or (taken is not None and taken is not ring_attention_forward)
+        or (masked is not None and masked is not ring_attention_mask)
+    ):
         raise ValueError(
-            f"attention implementation {name!r} is already registered as {taken!r}; "
-            f"choose another name (default {ATTN_IMPLEMENTATION!r})"
+            f"attention implementation {name!r} is already registered as "
+            f"{taken if taken is not None else masked!r}; choose another name "
+            f"(default {ATTN_IMPLEMENTATION!r})"
         )
     AttentionInterface.register(name, ring_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ring_attention_mask)
     return name
+
+
+def ring_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """The mask transformers builds for ring attention: none, because the layout says which
+    token belongs to which sequence and the kernels apply causality themselves.
+
+    Transformers calls this once per forward, before the first layer (so before any ring
+    communicates), with the user's 2-D padding mask as ``attention_mask`` (bool). A mask with a
+    padded position would mean some tokens are not to be attended to; ring attention would
+    attend to them, training a different model, so it is refused. An all-ones mask (what a
+    tokenizer returns for an unpadded row) says nothing and is accepted.
+
+    Raises:
+        ValueError: ``attention_mask`` masks out a position.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padded = int((~attention_mask.bool()).sum())
+        raise ValueError(
+            f"dyncp ring attention takes no padding mask: attention_mask of shape "
+            f"{tuple(attention_mask.shape)} masks out {padded} position(s). Pack the "
+            f"micro-batch's sequences without padding (causal_lm_loss and shard_inputs pad "
+            f"through the layout) and pass attention_mask=None (an all-ones mask is accepted)"
+        )
+    return None
 
 
 def ring_attention_forward(
@@ -172,6 +213,52 @@ def ring_attention_forward(
     return out.unsqueeze(0), None
 
 
+def windowed_layers(model: nn.Module) -> list[str]:
+    """Names of ``model``'s attention modules that attend within a sliding window.
+
+    Read from the modules (``sliding_window`` set, as transformers' attention modules do for a
+    ``"sliding_attention"`` layer), since that is what each layer passes to the attention.
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(module, "sliding_window", None) is not None
+    ]
+
+
+def plan_check(model: nn.Module) -> Callable[[StepPlan | PlanSlice], None]:
+    """A check of each step's plan against ``model``, for ``execute(..., plan_check=...)``.
+
+    Ring attention's windowed path runs on plain rings only, so a model with sliding-window
+    layers cannot run a group that splits its heads (``Group.heads`` > 1). ``execute`` calls the
+    check on every rank after the plan is agreed and validated and before any ring collective,
+    so such a plan makes every rank raise the same PlanError instead of failing in its first
+    windowed layer after the layers before it have communicated. (Given a PlanSlice it sees this
+    rank's groups only: the ranks of a split group refuse it, the others learn as from any
+    failed group.)
+    """
+    windowed = windowed_layers(model)
+
+    def check(plan: StepPlan | PlanSlice) -> None:
+        if not windowed:
+            return
+        split = [
+            (w, g) for w, wave in enumerate(plan.waves) for g in wave.groups if g.heads > 1
+        ]
+        if split:
+            w, g = split[0]
+            raise PlanError(
+                "head-split-window",
+                f"{len(split)} group(s) split heads, first in wave {w}: ranks "
+                f"{g.start}..{g.start + g.size - 1} as heads {g.heads} x ring {g.ring}; the model "
+                f"has {len(windowed)} sliding-window layer(s) ({windowed[0]}, ...), which run on "
+                f"plain rings only: plan with head_sizes=(1,)",
+                tuple(g.start for _, g in split),
+            )
+
+    return check
+
+
 def shard_inputs(
     ctx: MicroBatchContext, tokens: torch.Tensor, labels: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -242,6 +329,15 @@ def causal_lm_loss(
         raise ValueError(
             f"the model's attention implementation is {impl!r}; build it with "
             f"attn_implementation=register_ring_attention() (or set_attn_implementation)"
+        )
+    if isinstance(ctx.layout, HybridLayout) and windowed_layers(model):
+        # Every rank of the group raises here, before its first all-to-all (execute refuses
+        # such a plan before any collective when given plan_check(model)).
+        raise ValueError(
+            f"this micro-batch's group splits heads ({ctx.layout.heads} x ring "
+            f"{ctx.layout.ring.cp}) but the model has sliding-window layers "
+            f"({', '.join(windowed_layers(model)[:2])}), which run on plain rings only; plan "
+            f"with head_sizes=(1,) and pass execute(..., plan_check=plan_check(model))"
         )
     inputs = shard_inputs(ctx, tokens, labels)
     out = model(

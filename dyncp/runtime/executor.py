@@ -230,6 +230,7 @@ def execute(
     synchronize: Callable[[], None] | None = None,
     agree: bool = True,
     validate: bool = True,
+    plan_check: Callable[[StepPlan | PlanSlice], None] | None = None,
 ) -> RankReport:
     """Run this rank's share of ``plan``.
 
@@ -245,12 +246,17 @@ def execute(
             step already, e.g. by the sampler; one agreement per step is enough).
         validate: check the whole plan against the contract (False: this rank's groups only,
             for a plan validated where it was made).
+        plan_check: called with the plan (or slice) on every rank after the checks below and
+            before any ring collective; raises (PlanError) to refuse a plan the model cannot
+            run, e.g. ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed
+            layers; a slice shows it this rank's groups only).
 
     Raises:
         PlanMismatchError: some rank holds another plan, or is at another ``execute`` call (on
             every rank, before any other collective, naming the ranks and the digests).
-        PlanError: the plan breaks the contract or needs a group the pool lacks (before any
-            ring collective, identically on every rank).
+        PlanError: the plan breaks the contract, needs a group the pool lacks or fails
+            ``plan_check`` (before any ring collective; identically on every rank for a whole
+            plan).
         StepFailed: a rank of one of this rank's groups failed the step (naming it and its
             error where known; see the module docstring for when and where the others learn).
     """
@@ -280,6 +286,8 @@ def execute(
             )
             raise StepFailed(culprit.message, culprit.ranks) from exc
     _check(plan, pool, validate=validate and not sliced)
+    if plan_check is not None:
+        plan_check(plan)
     if sliced:
         if labels_per_sequence is not None:
             raise ValueError(

@@ -21,6 +21,7 @@ __all__ = [
     "OVERLONG_ACTIONS",
     "Admission",
     "admit",
+    "draw_batch_indices",
     "draw_batches",
     "PolicyRun",
     "replay",
@@ -86,7 +87,28 @@ def draw_batches(
     global_batch_tokens: int | None = None,
     global_batch_size: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Global batches drawn from a seeded shuffle of the documents (reshuffled each epoch).
+    """The lengths of the batches :func:`draw_batch_indices` draws (same arguments)."""
+    lengths = np.asarray(lengths)
+    for ids in draw_batch_indices(
+        lengths,
+        steps=steps,
+        seed=seed,
+        global_batch_tokens=global_batch_tokens,
+        global_batch_size=global_batch_size,
+    ):
+        yield lengths[ids].astype(np.int64)
+
+
+def draw_batch_indices(
+    lengths: np.ndarray,
+    *,
+    steps: int,
+    seed: int,
+    global_batch_tokens: int | None = None,
+    global_batch_size: int | None = None,
+) -> Iterator[np.ndarray]:
+    """Global batches, as indices into ``lengths``, drawn from a seeded shuffle of the
+    documents (reshuffled each epoch).
 
     With ``global_batch_tokens`` a batch takes documents until it holds at least that many tokens;
     with ``global_batch_size`` it takes that many documents. A batch never holds a document twice:
@@ -115,22 +137,20 @@ def draw_batches(
     order = rng.permutation(len(lengths))
     pos = 0
     for _ in range(steps):
-        batch: list[int] = []
         taken: list[int] = []
         tokens = 0
         while (
             tokens < global_batch_tokens
             if global_batch_tokens is not None
-            else len(batch) < global_batch_size  # type: ignore[operator]
+            else len(taken) < global_batch_size  # type: ignore[operator]
         ):
             if pos == len(order):
                 order, pos = _next_epoch(rng.permutation(len(lengths)), taken), 0
             doc = int(order[pos])
             pos += 1
             taken.append(doc)
-            batch.append(int(lengths[doc]))
-            tokens += batch[-1]
-        yield np.asarray(batch, dtype=np.int64)
+            tokens += int(lengths[doc])
+        yield np.asarray(taken, dtype=np.int64)
 
 
 def _next_epoch(order: np.ndarray, taken: list[int]) -> np.ndarray:
