@@ -200,7 +200,7 @@ class GroupPool:
         # (NCCL: tree latency, logarithmic in the ranks), else on the gloo control group.
         if self.backend == "nccl":
             self.agreement_group = self.axis_group or dist.group.WORLD
-            self.agreement_device: torch.device = torch.device("cuda", torch.cuda.current_device())
+            self.agreement_device: torch.device = torch.device("cuda")  # the current device
         else:
             self.agreement_group = self.control_group
             self.agreement_device = torch.device("cpu")
