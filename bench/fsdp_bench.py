@@ -56,32 +56,10 @@ from dyncp.runtime import (
     reduce_loss,
 )
 from dyncp.sim.replay import admit, draw_batches
-from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss
+from dyncp.testing import LossSum, ThroughDDP, TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.distributed import run_gloo
 
 MODES = ("replicated", "fsdp", "ddp")
-
-
-class _LossSum(nn.Module):
-    """What DDP wraps: its forward is the decoder's summed loss."""
-
-    def __init__(self, inner: TinyDecoder) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.inner.loss_sum(*args, **kwargs)
-
-
-class _ThroughDDP:
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
-
-    def loss_sum(self, *args, **kwargs) -> torch.Tensor:
-        return self.ddp(*args, **kwargs)
-
-    def parameters(self):
-        return self.ddp.parameters()
 
 
 def _model(cfg: TinyConfig, dtype: torch.dtype) -> TinyDecoder:
@@ -101,8 +79,8 @@ def _build(mode: str, cfg: TinyConfig, dtype: torch.dtype, mesh):
 
         return model, model, run
     if mode == "ddp":
-        ddp = DistributedDataParallel(_LossSum(model))
-        return _ThroughDDP(ddp), model, DDPRunner(ddp).step
+        ddp = DistributedDataParallel(LossSum(model))
+        return ThroughDDP(ddp), model, DDPRunner(ddp).step
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

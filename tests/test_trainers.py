@@ -35,7 +35,13 @@ from dyncp.integrations.hf import causal_lm_loss, register_ring_attention  # noq
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave  # noqa: E402
 from dyncp.ring_attention import make_ring_layout  # noqa: E402
 from dyncp.runtime import GroupPool, MicroBatchContext, reduce_loss  # noqa: E402
-from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss  # noqa: E402
+from dyncp.testing import (  # noqa: E402
+    LossSum,
+    ThroughDDP,
+    TinyConfig,
+    TinyDecoder,
+    microbatch_loss,
+)
 from dyncp.testing.distributed import run_gloo  # noqa: E402
 from dyncp.testing.hf_models import tiny_causal_lm, tiny_config  # noqa: E402
 
@@ -98,47 +104,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DDP wrapping (and the test's loss adapter)."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    return model.inner if isinstance(model, _LossSum) else model
+    return model.inner if isinstance(model, LossSum) else model
 
 
 def loss_of(model: nn.Module, ctx: MicroBatchContext, packed: torch.Tensor) -> torch.Tensor:
     """``ctx.loss_scale`` times the summed token loss, for either model kind, through DDP too."""
     if isinstance(unwrap(model), TinyDecoder):
         return microbatch_loss(
-            _ThroughDDP(model) if model is not unwrap(model) else model, ctx, packed
+            ThroughDDP(model) if model is not unwrap(model) else model, ctx, packed
         )
     return causal_lm_loss(model, ctx, packed, kernel="math")
-
-
-class _LossSum(nn.Module):
-    """What DDP wraps for the tiny decoder: its forward is the decoder's summed loss."""
-
-    def __init__(self, inner: TinyDecoder) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.inner.loss_sum(*args, **kwargs)
-
-
-class _ThroughDDP:
-    """``microbatch_loss``'s view of a DDP-wrapped tiny decoder (its loss goes through DDP)."""
-
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
-
-    def loss_sum(self, *args, **kwargs) -> torch.Tensor:
-        return self.ddp(*args, **kwargs)
-
-    def parameters(self):
-        return self.ddp.parameters()
 
 
 def wrap(kind: str, how: str, mesh) -> tuple[nn.Module, object]:
     """The model wrapped for ``how`` on this rank, and its runner."""
     if how == "ddp":
         model = make_model(kind)
-        ddp = DistributedDataParallel(_LossSum(model) if kind == "tiny" else model)
+        ddp = DistributedDataParallel(LossSum(model) if kind == "tiny" else model)
         return ddp, DDPRunner(ddp)
     mp = None
     model = make_model(kind, torch.float32 if how == "fsdp-bf16" else torch.float64)

@@ -19,7 +19,14 @@ from dyncp.ring_attention import RingLayout, ring_attention
 if TYPE_CHECKING:
     from dyncp.runtime import MicroBatchContext
 
-__all__ = ["TinyConfig", "TinyDecoder", "microbatch_loss", "next_token_labels"]
+__all__ = [
+    "LossSum",
+    "ThroughDDP",
+    "TinyConfig",
+    "TinyDecoder",
+    "microbatch_loss",
+    "next_token_labels",
+]
 
 IGNORE = -100
 
@@ -149,3 +156,29 @@ class TinyDecoder(nn.Module):
             ignore_index=IGNORE,
             reduction="sum",
         )
+
+
+class LossSum(nn.Module):
+    """What DDP wraps for the tiny decoder: its forward is the decoder's summed loss (DDP hooks
+    the gradients of what its forward computes)."""
+
+    def __init__(self, inner: TinyDecoder) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.loss_sum(*args, **kwargs)
+
+
+class ThroughDDP:
+    """``microbatch_loss``'s view of a DDP-wrapped :class:`LossSum` (its loss goes through
+    DDP's forward)."""
+
+    def __init__(self, ddp: nn.Module) -> None:
+        self.ddp = ddp
+
+    def loss_sum(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.ddp(*args, **kwargs)
+
+    def parameters(self):  # noqa: ANN201 - what nn.Module.parameters returns
+        return self.ddp.parameters()
