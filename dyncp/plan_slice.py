@@ -28,12 +28,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dyncp.plan import SCHEMA_VERSION, Group, MicroBatch, PlanError, StepPlan, Topology, Wave
 
 __all__ = [
     "HASH_BYTES",
     "PlanSlice",
     "SliceHeader",
+    "SliceUnavailable",
+    "check_slice_header",
     "is_header",
     "open_slice",
     "own_slice",
@@ -273,3 +277,24 @@ def own_slice(plan: StepPlan, position: int) -> PlanSlice:
     """Position ``position``'s slice of a whole plan this rank holds (the fallback path)."""
     header, records = slice_plan(plan)
     return open_slice(header, records[position], position)
+
+
+class SliceUnavailable(PlanError):
+    """This rank's slice of the step's (signed) header is missing or does not verify.
+
+    Attributes:
+        digest: the header's digest (the sampler compares another, so every rank raises).
+    """
+
+    def __init__(self, message: str, digest: int) -> None:
+        super().__init__("slice", message)
+        self.digest = digest
+
+
+def check_slice_header(header: SliceHeader, *, topology: Topology, lengths: np.ndarray) -> None:
+    """Raise ValueError unless a slice header is for exactly this batch on ``topology``."""
+    if header.topology != topology:
+        raise ValueError(f"slice header is for topology {header.topology}, this job has {topology}")
+    labels = int(np.sum(np.asarray(lengths, dtype=np.int64) - 1))
+    if header.sequences != len(lengths) or header.labels != labels:
+        raise ValueError("slice header sequences or label tokens differ from this step's batch")

@@ -59,7 +59,15 @@ from dyncp.agreement import PlanMismatchError
 from dyncp.calibration import ModelVersion, VersionedPlanner
 from dyncp.plan import PlanError, StepPlan, Topology, plan_digest
 from dyncp.plan_auth import FALLBACK, PlanSigner, is_fallback
-from dyncp.plan_slice import PlanSlice, SliceHeader, open_slice, own_slice, slice_plan
+from dyncp.plan_slice import (
+    PlanSlice,
+    SliceHeader,
+    SliceUnavailable,
+    check_slice_header,
+    open_slice,
+    own_slice,
+    slice_plan,
+)
 from dyncp.planner.planner import HYBRID_POLICY, Planner
 
 if TYPE_CHECKING:
@@ -115,18 +123,6 @@ def step_key(prefix: str, epoch: int, step: int) -> str:
 def slice_key(key: str, position: int) -> str:
     """Store key of one rank's slice of the plan decided at step key ``key``."""
     return f"{key}/r{position}"
-
-
-class SliceUnavailable(PlanError):
-    """This rank's slice of the step's (signed) header is missing or does not verify.
-
-    Attributes:
-        digest: the header's digest (the sampler compares another, so every rank raises).
-    """
-
-    def __init__(self, message: str, digest: int) -> None:
-        super().__init__("slice", message)
-        self.digest = digest
 
 
 def _set_many(store: Store, keys: list[str], values: list[bytes]) -> None:
@@ -186,15 +182,6 @@ def check_plan(
     if plan.sample_ids != tuple(int(i) for i in sample_ids):
         raise ValueError("plan sample_ids differ from this step's batch")
     plan.validate()
-
-
-def check_slice_header(header: SliceHeader, *, topology: Topology, lengths: np.ndarray) -> None:
-    """Raise ValueError unless a slice header is for exactly this batch on ``topology``."""
-    if header.topology != topology:
-        raise ValueError(f"slice header is for topology {header.topology}, this job has {topology}")
-    labels = int(np.sum(np.asarray(lengths, dtype=np.int64) - 1))
-    if header.sequences != len(lengths) or header.labels != labels:
-        raise ValueError("slice header sequences or label tokens differ from this step's batch")
 
 
 def lookahead_targets(

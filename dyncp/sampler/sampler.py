@@ -22,7 +22,7 @@ from dyncp.calibration import OnlineCalibrator
 from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
 from dyncp.plan_auth import RUN_ENV, PlanSigner
-from dyncp.plan_slice import PlanSlice
+from dyncp.plan_slice import PlanSlice, SliceUnavailable, check_slice_header
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
@@ -32,9 +32,7 @@ from dyncp.service import (
     Fetched,
     PlanClient,
     PlanService,
-    SliceUnavailable,
     check_plan,
-    check_slice_header,
     plan_digest,
 )
 
@@ -264,9 +262,7 @@ class DynamicCPSampler:
                             planner.model.profile, ranks_per_node=topo.ranks_per_node
                         )
                     )
-                    self.calibration = ServiceCalibration(
-                        store, prefix, calibrator, signer=signer
-                    )
+                    self.calibration = ServiceCalibration(store, prefix, calibrator, signer=signer)
                 service = PlanService(
                     store,
                     source=self.schedule,
