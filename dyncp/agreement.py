@@ -134,7 +134,7 @@ class PendingAgreement:
 
         Raises:
             PlanMismatchError: some rank is at another position or holds another plan.
-            PlanAgreementError: the all_gather failed.
+            PlanAgreementError: the comparison failed (a rank did not arrive, or died).
         """
         try:
             self._work.wait()
@@ -224,7 +224,7 @@ def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str)
 
     Raises:
         PlanMismatchError: some rank is at another position or holds another plan.
-        PlanAgreementError: the all_gather failed (a rank did not arrive within the group's
+        PlanAgreementError: the comparison failed (a rank did not arrive within the group's
             timeout, or its process died).
     """
     PendingAgreement(group, where=where, digest=digest, label=label).result()

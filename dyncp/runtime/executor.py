@@ -72,7 +72,6 @@ from dyncp.ring_attention import (
     zigzag_shard,
 )
 from dyncp.runtime.failures import (
-    SURVIVOR_WAIT,
     FailureBoard,
     is_communication_error,
     name_after_failed_wait,
@@ -366,7 +365,7 @@ def _fail(
     board.report_error(wave, me, exc)
     if is_communication_error(exc):  # a ring peer failed: wait for the ring's reports, name it
         ring = tuple(range(start, start + size))
-        until = max(started + SURVIVOR_WAIT * pool.timeout, time.monotonic() + pool.timeout / 4)
+        until = board.survivors_until(started)
         culprit = board.culprit(
             wave, suspects=ring, until=until, label=label, earlier=range(-1, wave)
         )

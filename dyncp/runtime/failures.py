@@ -227,6 +227,12 @@ class FailureBoard:
         """Report that this rank reached the synchronisation point at ``arrived``."""
         self.report(wave, position, Report("ok", timed_out, arrived, time.time(), ""))
 
+    def survivors_until(self, entered: float) -> float:
+        """When (``time.monotonic()``) a survivor that entered the failing wait at ``entered``
+        stops waiting for the others' reports: ``SURVIVOR_WAIT`` T after it entered, and at least
+        T/4 from now."""
+        return max(entered + SURVIVOR_WAIT * self.timeout, time.monotonic() + self.timeout / 4)
+
     # ------------------------------------------------------------------------------ reading
     def changed(self) -> bool:
         """Whether reports were written since the last look (one Store read)."""
@@ -359,5 +365,5 @@ def name_after_failed_wait(
     ``entered_wall``, wall clock) failed with ``exc``: report that, wait for the survivors and
     name who failed (``earlier``: slots whose reports count too)."""
     board.report_ok(wave, position, arrived=entered_wall, timed_out=is_timeout(exc))
-    until = max(entered + SURVIVOR_WAIT * board.timeout, time.monotonic() + board.timeout / 4)
+    until = board.survivors_until(entered)
     return board.culprit(wave, suspects=None, until=until, label=label, earlier=earlier)

@@ -20,7 +20,7 @@ Every rank submits the same batch: each rank needs the tokens of its micro-batch
 rollouts (and their ids and lengths) already reach every trainer rank. Two ways to one plan:
 
 * ``group`` given: every rank compares a digest of its batch with the others' (one small
-  all_gather: a rank that received another batch makes *every* rank raise
+  all_reduce: a rank that received another batch makes *every* rank raise
   ``PlanMismatchError`` in that step), then the ``root`` rank plans and broadcasts the plan's
   JSON, and every rank checks it is a valid plan of exactly its own batch. The planner may be
   non-deterministic (an anytime, deadline-bound planner: ``Planner(time_limit=0.1)``), which

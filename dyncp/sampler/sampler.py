@@ -111,7 +111,7 @@ class DynamicCPSampler:
         secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
             the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
         group: the plan agreement. Before the first micro-batch of each step is yielded, every
-            rank compares the step's plan digest with the others' (an all_gather of 24 bytes)
+            rank compares the step's plan digest with the others' (one all_reduce of 48 bytes)
             and, if any differs, every rank raises ``PlanMismatchError`` in that step; a rank
             that does not arrive within the timeout makes the others raise
             ``PlanAgreementError`` naming it. None (default): on whenever torch.distributed is
