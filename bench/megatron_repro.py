@@ -29,8 +29,8 @@ The same lengths are planned by
 
 and priced by the ``h100-megatron-dcp-gpt`` profile (kernel-aware: FA3 tiles read from source,
 DistCA's per-document constant per sequence and ring step; see docs/reproductions/megatron.md)
-with 4 ranks per node, and by the same profile in its plain form (the constant per call, no
-tiles: the form before the kernel-aware one) in the same run. Both arms are timed with
+with 4 ranks per node, in the same run also in its plain form (the constant per call, no tiles:
+the form before the kernel-aware one) and with the tiles alone. Both arms are timed with
 ``evaluate_plan(..., timing="dataflow")`` (no wave barrier: a group starts when its ranks are
 free, as Megatron's groups do); the barrier timing is printed beside it. For the two Megatron
 schedulers each sequence is first padded to a multiple of 2 x GPUs tokens, as Megatron's
@@ -148,15 +148,15 @@ def trimmed_seconds(plans: list[StepPlan], model: CostModel, timing: str = "data
     return float(trim_mean(steps, 0.1))
 
 
-def plain_form(profile: Profile) -> Profile:
+def plain_form(profile: Profile, *, tiles: bool = False) -> Profile:
     """The profile as it was before the kernel-aware form: the attention constant paid once
-    per call (``step_overhead_seconds``), no tiles, no ring term."""
+    per call (``step_overhead_seconds``), no ring term, and no tiles unless ``tiles``."""
     att = profile.attention
     update = {
         "step_overhead_seconds": att.step_overhead_seconds + att.sequence_overhead_seconds,
         "sequence_overhead_seconds": 0.0,
         "ring_sequence_step_seconds": 0.0,
-        "tiles": None,
+        "tiles": att.tiles if tiles else None,
     }
     return profile.model_copy(update={"attention": att.model_copy(update=update)})
 
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(got {unknown or (args.steps, args.first)})"
         )
     profile = load_profile(args.profile)
-    forms = {"kernel-aware": profile, "plain": plain_form(profile)}
+    forms = {
+        "kernel-aware": profile,
+        "tiles only": plain_form(profile, tiles=True),
+        "plain": plain_form(profile),
+    }
     if profile.attention.tiles is None and not profile.attention.ring_sequence_step_seconds:
         forms = {"as given": profile}
     print(
