@@ -10,7 +10,8 @@ The block sizes below are read from the kernels' source, for head dimension 128 
 (the shape every bundled GPU profile prices), not fitted to any timing:
 
 - ``fa3-sm90``: FlashAttention 3 (Hopper). Forward: ``tile_size_fwd_sm90`` returns
-  ``{128, is_causal ? 128 : 176}`` for ``headdim <= 128`` (hopper/tile_size.h, lines 31-33);
+  ``{128, use_blockN_128 ? 128 : 176}`` with ``use_blockN_128 = is_causal || is_local ||
+  paged_kv_non_TMA`` for 2-byte types and ``headdim <= 128`` (hopper/tile_size.h, lines 31-33);
   backward: ``run_mha_bwd_hdim128`` dispatches ``kBlockM = 64, kBlockN = 128`` for
   ``Arch >= 90`` when causal (hopper/flash_bwd_launch_template.h, lines 347-351).
 - ``fa2-sm80``: FlashAttention 2 on A100 (sm80) and, through the same code path, H100.
@@ -23,12 +24,13 @@ The block sizes below are read from the kernels' source, for head dimension 128 
 
   Both: Dao-AILab/flash-attention, commit 0251105a2fb19d2957484b7f023cd8c115286ced.
 - ``sdpa-cpu``: torch's CPU flash attention (``at::native::cpu_flash_attention``,
-  aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, pytorch/pytorch commit 008ec6b1). The
-  dispatch ``flash_attention_kernel_impl`` / ``flash_attention_backward_kernel_impl`` picks
-  q_split_size 256 for q length >= 768, 64 for >= 192, else 32, and kv_split_size 512; but the
-  kernel clamps both to the sequence (``qSplitSize = q_split_size > qSize ? qSize :
-  q_split_size``, likewise kv) and runs the tail block at its real size. It pads no work, so it
-  quantises nothing: a short chunk costs its own length (``pads`` False).
+  aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, pytorch/pytorch commit
+  008ec6b1840c94ff6d0f685bc10fbf585167c673). The dispatch ``flash_attention_kernel_impl`` /
+  ``flash_attention_backward_kernel_impl`` picks q_split_size 256 for q length >= 768, 64 for
+  >= 192, else 32, and kv_split_size 512 (the entry records the largest); but the forward kernel
+  clamps both to the sequence (``qSplitSize = q_split_size > qSize ? qSize : q_split_size``,
+  likewise kv) and runs the tail block at its real size. It pads no work, so it quantises
+  nothing: a short chunk costs its own length (``pads`` False).
 
 Head dimensions other than 128 were not read and are refused rather than guessed.
 """
@@ -56,7 +58,10 @@ class KernelTiles:
 
 
 _FA = "Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced"
-_TORCH = "pytorch/pytorch@008ec6b1 aten/src/ATen/native/cpu/FlashAttentionKernel.cpp"
+_TORCH = (
+    "pytorch/pytorch@008ec6b1840c94ff6d0f685bc10fbf585167c673 "
+    "aten/src/ATen/native/cpu/FlashAttentionKernel.cpp"
+)
 
 #: Per kernel name, per head dimension: the tiles read from the kernel's source.
 KERNELS: dict[str, dict[int, KernelTiles]] = {
