@@ -18,6 +18,11 @@ refitting its *coefficients*:
 ``head_scale_u``               attention of 1/u of the heads costs this x A / u
                                (``attention.head_scales``: measured, not assumed 1)
 ``wave``                       ``overheads.wave_seconds`` (trimmed mean over the wave timings)
+``ring``                       ``attention.ring_sequence_step_seconds`` (per sequence per ring
+                               step at CP > 1; told from ``seq`` by CP-1 measurements).
+                               Fitted for kernel-aware profiles (``attention.tiles`` set, or
+                               the term already non-zero); kept as profiled otherwise, so
+                               the fits of other profiles are what they were
 =============================  ===========================================================
 
 The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
@@ -61,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 
 import numpy as np
@@ -121,6 +126,7 @@ class _Features:
     tokens: np.ndarray  # priced tokens per rank
     attention: np.ndarray  # sum over sequences of the profile's net attention per step
     sequences: np.ndarray  # weight of the per-sequence cost per step (n, n / c, n / u)
+    rings: np.ndarray  # sequences paying the per-(sequence x ring step) cost (0: no ring)
     block: np.ndarray  # a ring step's K/V bytes per priced token per rank, / kv_bytes_per_token
     split: np.ndarray  # index into the fitted head-split sizes u (-1: not split)
     exchange: np.ndarray  # bytes a rank holds in a layer's head exchanges (forward + backward)
@@ -142,8 +148,8 @@ def _features(
     heads: Sequence[int] = (),
 ) -> _Features:
     n = len(ms)
-    cols = {k: np.zeros(n) for k in ("steps", "tokens", "attention", "sequences", "block",
-                                     "exchange")}
+    cols = {k: np.zeros(n) for k in ("steps", "tokens", "attention", "sequences", "rings",
+                                     "block", "exchange")}
     link = np.full(n, -1, dtype=np.int64)
     split = np.full(n, -1, dtype=np.int64)
     index = {c: j for j, c in enumerate(sizes)}
@@ -165,6 +171,7 @@ def _features(
             split[i] = head_index[m.heads]
             if ring > 1:
                 link[i] = index[m.cp]
+                cols["rings"][i] = len(p)
         elif model.all_to_all and m.cp > 1:
             cols["steps"][i] = 1
             cols["attention"][i] = model._net_attention(p).sum() / m.cp
@@ -176,6 +183,7 @@ def _features(
             cols["sequences"][i] = len(p)
             if m.cp > 1:
                 link[i] = index[m.cp]
+                cols["rings"][i] = len(p)
     return _Features(
         **cols,
         link=link,
@@ -189,7 +197,8 @@ def _features(
 
 def _coefficients(model: CostModel, sizes: Sequence[int], heads: Sequence[int] = ()) -> np.ndarray:
     """The profile's values of ``PARAMS``, then (latency, 1/bandwidth) per ring group size, then
-    (exchange latency, 1/exchange bandwidth, attention scale) per head-split size u."""
+    (exchange latency, 1/exchange bandwidth, attention scale) per head-split size u, then
+    ``ring`` (last; not for a layer mix)."""
     links = []
     for c in sizes:
         latency, bandwidth = model.link(c)
@@ -197,8 +206,10 @@ def _coefficients(model: CostModel, sizes: Sequence[int], heads: Sequence[int] =
     for u in heads:
         latency, bandwidth = model.all_to_all_link(u)
         links += [latency, 1.0 / bandwidth, model.head_scale(u)]
+    # A layer mix never has a ring term (the schema refuses one): its layout has no ``ring``.
+    ring = [model.ring_sequence] if model.profile.layer_mix is None else []
     return np.array(
-        [model.lin, 1.0, model.per_sequence, model.k, model.microbatch_overhead, *links]
+        [model.lin, 1.0, model.per_sequence, model.k, model.microbatch_overhead, *links, *ring]
     )
 
 
@@ -208,7 +219,7 @@ def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -
     if isinstance(f, MixFeatures):  # a layer mix: the exact model prices it
         return f.predict(theta, overlap)
     lin, att, seq, k, mb = theta[:5]
-    rest = theta[5:]
+    rest = theta[5:-1]
     n_sizes = f.n_sizes
     lat_all, ibw_all = rest[: 2 * n_sizes : 2], rest[1 : 2 * n_sizes : 2]
     heads = rest[2 * n_sizes :]
@@ -216,7 +227,7 @@ def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -
     split = f.split >= 0
     h = np.where(split, f.split, 0)
     scale = np.where(split, scale_all[h] if len(scale_all) else 1.0, 1.0)
-    step = scale * (att * f.attention + seq * f.sequences) + k
+    step = scale * (att * f.attention + seq * f.sequences) + theta[-1] * f.rings + k
     total = lin * f.tokens + mb
     ring = f.link >= 0
     j = np.where(ring, f.link, 0)
@@ -280,6 +291,8 @@ def _scales(
         sel = f.split == j
         usage += [4.0 * L, L * (float(np.median(f.exchange[sel])) if sel.any() else 1.0), 1.0]
         relative.append(len(usage) - 1)
+    rings = f.rings > 0
+    usage.append(float(np.median(L * f.steps[rings] * f.rings[rings])) if rings.any() else 1.0)
     out = np.array([med / max(u, 1e-300) for u in usage])
     out[1] = 1.0  # the attention scale is already relative
     out[relative] = 1.0  # and so are the head-split scales
@@ -413,9 +426,10 @@ def _solve(
     lower = np.zeros(n_coef)
     lower[1] = 1e-6  # the attention table must stay positive
     n = f.n_sizes
-    inverse = [6 + 2 * j for j in range(n)] + list(range(5 + 2 * n + 1, n_coef, 3))
+    end = n_coef if isinstance(f, MixFeatures) else n_coef - 1  # ``ring`` is last, >= 0
+    inverse = [6 + 2 * j for j in range(n)] + list(range(5 + 2 * n + 1, end, 3))
     lower[inverse] = 1.0 / MAX_BANDWIDTH / scale[inverse]  # bandwidths stay finite
-    lower[5 + 2 * n + 2 :: 3] = 1e-3  # head-split attention scales stay positive
+    lower[5 + 2 * n + 2 : end : 3] = 1e-3  # head-split attention scales stay positive
     x0 = np.clip(start[:n_coef] / scale, lower, None)
     x0 = np.where(x0 <= lower, lower * 1.000001 + 1e-12, x0)
     sol = least_squares(
@@ -515,6 +529,8 @@ def fit_profile(
         scale = mix_scales(f, model)
     else:
         f = _features(model, ms, sizes, reg, heads)
+        if not (profile.attention.tiles is not None or model.ring_sequence > 0):
+            f = replace(f, rings=np.zeros(len(ms)))  # ``ring`` kept as profiled
         theta0 = _coefficients(model, sizes, heads)
         scale = _scales(f, model, sizes, heads)
     # Each older regime starts at its median log ratio to the profile (its level then moves).
@@ -546,6 +562,8 @@ def fit_profile(
             )
         if not np.isfinite(theta).all():  # least_squares keeps iterates finite; a guard
             theta, levels = theta0, np.zeros_like(levels)
+        if not is_mix and not f.rings.any():  # no data on ``ring``: exactly as profiled
+            theta[-1] = theta0[-1]
         r = _log_residuals(theta, levels, f, model, overlap)
         score = float(np.median(np.abs(r[reg == 0])))
         return theta, levels, keep, score, spread
@@ -603,8 +621,7 @@ def _named(
     theta: np.ndarray, sizes: Sequence[int], heads: Sequence[int] = (), mix: bool = False
 ) -> dict[str, float]:
     out = dict(zip(PARAMS, theta[:5].tolist()))
-    if mix:
-        out["ssm"] = float(theta[-1])
+    out["ssm" if mix else "ring"] = float(theta[-1])
     for j, c in enumerate(sizes):
         out[f"latency_{c}"] = float(theta[5 + 2 * j])
         out[f"inverse_bandwidth_{c}"] = float(theta[6 + 2 * j])
@@ -649,6 +666,8 @@ def _apply(
     else:
         a["alpha"], a["beta"] = att * old.alpha, att * old.beta
     a["step_overhead_seconds"], a["sequence_overhead_seconds"] = k, seq
+    if profile.layer_mix is None:  # a mix's layout ends with ``ssm``, and has no ring term
+        a["ring_sequence_step_seconds"] = float(theta[-1])
     fitted = {c: (float(theta[5 + 2 * j]), float(theta[6 + 2 * j])) for j, c in enumerate(sizes)}
     if fitted:
         listed = {link["group_size"] for link in data["communication"]["links"]}

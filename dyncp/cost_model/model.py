@@ -4,7 +4,7 @@ For a micro-batch of sequences s_i run by a ring of c ranks (each s_i padded to 
 2c), per rank::
 
     linear       lin * sum(p_i) / c                                  GEMMs, norms, MLP, head
-    attention    layers * c * (sum_i A(p_i / c) + k)                  c ring steps per layer
+    attention    layers * c * (sum_i [A(p_i / c) + rs] + k)           c ring steps per layer
     ring comm    layers * (c-1) * [exposed fwd step + exposed bwd step] + final dK/dV hop
     constant     microbatch overhead
 
@@ -12,6 +12,13 @@ Why ``c * A(p/c)``: in a zigzag ring every step on every rank is one block of p/
 p/c keys with half of the pairs masked, i.e. the work of a causal sequence of length p/c. Summing
 A over sequences and paying the fixed kernel cost ``k`` once per step models one varlen call per
 step for the whole pack; short blocks thus pay their real inefficiency (A is measured, not FLOPs).
+``rs`` (``attention.ring_sequence_step_seconds``) is a fixed cost per sequence and ring step at
+c > 1 only: the per-chunk correction and launch kernels of a ring; CP 1 pays no ring cost (no
+rs, no link latency, no transfer). With ``attention.tiles`` (``dyncp.cost_model.kernels``), A of
+a chunk of n tokens is taken at the causal length its kernel tiles cover, forward and backward
+each with the block sizes read from the kernel's source: ``ceil(n / block)`` tiles along each
+dimension, so a 16-token zigzag piece pays a whole tile and a multiple of the block costs what
+it did without tiles.
 
 A ring step moves the KV block of the local tokens (kv_bytes_per_token * sum(p_i)/c); the backward
 also moves dK/dV. With overlap, a step costs max(compute, transfer); without, their sum. Groups
@@ -62,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dyncp.cost_model.kernels import tile_length
 from dyncp.cost_model.schema import AttentionTable, Link, Profile, load_profile
 
 __all__ = ["CostModel", "HeadSplit"]
@@ -114,7 +122,17 @@ class CostModel:
         att = profile.attention
         self.k = att.step_overhead_seconds
         self.per_sequence = att.sequence_overhead_seconds
+        self.ring_sequence = att.ring_sequence_step_seconds
         self.fwd_fraction = 1.0 / (1.0 + att.backward_forward_ratio)
+        tiles = att.tiles
+        self._tiles = (
+            None
+            if tiles is None or not tiles.pads
+            else (
+                (tiles.forward_block_q, tiles.forward_block_kv),
+                (tiles.backward_block_q, tiles.backward_block_kv),
+            )
+        )
         comm = profile.communication
         self.kvb = comm.kv_bytes_per_token
         self.bwd_bytes = comm.backward_bytes_factor
@@ -161,6 +179,17 @@ class CostModel:
         return self._net_attention(x) + self.per_sequence
 
     def _net_attention(self, x: np.ndarray) -> np.ndarray:
+        """Net (fixed costs removed) attention of causal chunks of ``x`` tokens; with the
+        profile's kernel tiles, the forward and the backward each at the causal length their
+        padded tiles cover (``kernels.tile_length``): a chunk smaller than a tile pays a tile."""
+        if self._tiles is None:
+            return self._net_length(x)
+        (fq, fkv), (bq, bkv) = self._tiles
+        fwd = self._net_length(tile_length(x, fq, fkv))
+        bwd = self._net_length(tile_length(x, bq, bkv))
+        return self.fwd_fraction * fwd + (1.0 - self.fwd_fraction) * bwd
+
+    def _net_length(self, x: np.ndarray) -> np.ndarray:
         if self._quad is not None:
             alpha, beta = self._quad
             return alpha * x * x + beta * x
@@ -218,9 +247,12 @@ class CostModel:
         return -(-lengths // unit) * unit
 
     def _sequence_attention(self, cp: int, p: np.ndarray) -> np.ndarray:
-        """Per sequence: A(p/c) (one ring step's block) or A(p)/c (all-to-all: 1/c of heads)."""
+        """Per sequence: A(p/c) (one ring step's block) or A(p)/c (all-to-all: 1/c of heads);
+        a ring of c > 1 adds the fixed cost per (sequence x ring step), which CP 1 never pays."""
         if self.all_to_all:
             return self.attention_seconds(p) / cp
+        if cp > 1 and self.ring_sequence:
+            return self.attention_seconds(p / cp) + self.ring_sequence
         return self.attention_seconds(p / cp)
 
     def _seconds(self, cp: int, tokens: np.ndarray, step_attention: np.ndarray) -> np.ndarray:
@@ -360,8 +392,10 @@ class CostModel:
         return 1.0
 
     def _split_attention(self, s: HeadSplit, p: np.ndarray) -> np.ndarray:
-        """Per sequence: one ring step's block of p/r tokens for 1/u of the heads."""
-        return s.attention_scale * self.attention_seconds(p / s.ring) / s.heads
+        """Per sequence: one ring step's block of p/r tokens for 1/u of the heads (plus the
+        fixed cost per sequence and ring step when the ring has r > 1 steps)."""
+        att = s.attention_scale * self.attention_seconds(p / s.ring) / s.heads
+        return att + self.ring_sequence if s.ring > 1 else att
 
     def _split_seconds(
         self, s: HeadSplit, tokens: np.ndarray, step_attention: np.ndarray

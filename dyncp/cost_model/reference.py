@@ -4,6 +4,8 @@
     python -m dyncp.cost_model.reference --model megatron-dcp-gpt # h100-megatron-dcp-gpt
     python -m dyncp.cost_model.reference --model my-model.json --out profiles/mine.json
     python -m dyncp.cost_model.reference --analytic               # quadratic fit -> h100-analytic
+    python -m dyncp.cost_model.reference --model megatron-dcp-gpt --kernel fa3-sm90  # tile-aware
+    python -m dyncp.cost_model.reference --heads 32 --kv-heads 8 --head-dim 128 --kernel fa2-sm80
 
 Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
 
@@ -17,6 +19,18 @@ Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
   bandwidth; and, per GPU count n, to ``latency + size / bandwidth`` for the all-to-all of the
   head exchange (``communication.all_to_all_links``, see ``fit_all_to_all``: no all-to-all was
   measured, the all-gather moving the same bytes per GPU stands in for it).
+
+Kernel-aware form (``--kernel``, see ``dyncp.cost_model.kernels``): every attention call is
+quantised to the named kernel's tiles (block sizes read from its source, not fitted), and the
+constant of the attention fit is read as what it is. DistCA's ``duration_per_doc`` is the time
+of one varlen call over 32768 / L documents of L tokens divided by their number
+(``run_amortized_batch_sequence`` in distca/profiling/modal-scripts/attn-prof.py), so the fitted
+constant k0 is a cost per *document* in a call, not per call: the kernel-aware profile prices it
+as ``sequence_overhead_seconds`` (paid by each sequence in each ring step's call) and no cost
+per call (a per-call constant is not separable in these data: it is spread over 32768 tokens
+and sits in the linear term). ``ring_sequence_step_seconds`` (per-chunk correction kernels of a
+ring, CP > 1 only) is not measured in these data and is written as 0 for calibration to learn.
+Without ``--kernel`` the profile is built exactly as before (k0 per call, no tiles).
 
 GEMMs are priced from their FLOPs (``DecoderShape.linear_flops_per_token``) at a stated
 throughput. Everything else is a stated assumption, written into the profile's provenance with its
@@ -35,6 +49,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from dyncp.cost_model.kernels import KERNELS, kernel_tiles
 from dyncp.cost_model.schema import PROFILES_DIR, Profile
 from dyncp.cost_model.shapes import SHAPES, DecoderShape, ShapeError, load_shape
 
@@ -279,12 +294,41 @@ def _assumptions(shape: DecoderShape, att: AttentionFit) -> list[dict]:
     ]
 
 
+def _kernel_assumptions(kernel: str, per_document: float) -> list[dict]:
+    return [
+        {
+            "name": f"attention kernel {kernel}",
+            "value": kernel,
+            "source": "assumed to be the kernel the DistCA rows were measured with and the one "
+            "the priced run uses: DistCA timed vllm-flash-attn's flash_attn_varlen_func on "
+            "H100 (attn-prof.py), whose 32K-token causal forward at 64 heads runs at ~340 "
+            "TFLOP/s, a FlashAttention-3 rate on Hopper; tiles in "
+            "dyncp.cost_model.kernels, read from the kernel's source",
+        },
+        {
+            "name": "attention fixed cost per document and call, fwd+bwd (s)",
+            "value": per_document,
+            "source": "the constant k0 of the fit x (1 + backward/forward ratio): DistCA's "
+            "duration_per_doc divides one varlen call over 32768 / L documents by their count "
+            "(run_amortized_batch_sequence in distca/profiling/modal-scripts/attn-prof.py), so "
+            "k0 is paid per document; priced per sequence in every ring step's call",
+        },
+        {
+            "name": "per (sequence x ring step) cost at CP > 1 (s)",
+            "value": 0.0,
+            "source": "not measured in these data (no ring was timed); 0 until calibration "
+            "learns it (dyncp.cost_model.calibrate fits ring_sequence_step_seconds)",
+        },
+    ]
+
+
 def build_reference_profile(
     src: Path,
     analytic: bool = False,
     *,
     shape: DecoderShape | None = None,
     name: str | None = None,
+    kernel: str | None = None,
 ) -> Profile:
     """The reference profile of ``shape`` (default: the Llama-3-8B-like shape).
 
@@ -294,7 +338,21 @@ def build_reference_profile(
         shape: the decoder to price.
         name: the profile's name (default ``h100-reference`` for the default shape,
             ``h100-<shape name>`` otherwise; ``h100-analytic`` with ``analytic``).
+        kernel: the attention kernel (``dyncp.cost_model.kernels.KERNELS``, a GPU one) for the
+            kernel-aware form (module docstring); None builds the profile as before.
+
+    Raises:
+        ValueError: a kernel not read from source, or a head dim its tiles were not read for.
     """
+    tiles = None
+    if kernel is not None:
+        shape_dim = (SHAPES[DEFAULT_MODEL] if shape is None else shape).head_dim
+        tiles = kernel_tiles(kernel, shape_dim)
+        if not tiles.pads:
+            raise ValueError(
+                f"kernel {kernel!r} is not a GPU kernel; the H100 reference takes one of "
+                f"{', '.join(k for k, v in KERNELS.items() if next(iter(v.values())).pads)}"
+            )
     default = shape is None
     shape = SHAPES[DEFAULT_MODEL] if shape is None else shape
     if name is None:
@@ -396,6 +454,23 @@ def build_reference_profile(
             "backward_forward_ratio": BWD_FWD_RATIO,
         }
         data["communication"]["overlap"] = False
+    if tiles is not None:
+        data["attention"].update(
+            step_overhead_seconds=0.0,
+            sequence_overhead_seconds=k0 * scale,
+            ring_sequence_step_seconds=0.0,
+            tiles={
+                "kernel": tiles.kernel,
+                "forward_block_q": tiles.forward_block_q,
+                "forward_block_kv": tiles.forward_block_kv,
+                "backward_block_q": tiles.backward_block_q,
+                "backward_block_kv": tiles.backward_block_kv,
+                "pads": tiles.pads,
+                "source": tiles.source,
+            },
+        )
+        data["provenance"]["method"] += f" --kernel {tiles.kernel}"
+        data["provenance"]["assumptions"] += _kernel_assumptions(tiles.kernel, k0 * scale)
     return Profile.model_validate(data)
 
 
@@ -413,14 +488,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--analytic", action="store_true", help="write the quadratic fit instead of the table"
     )
+    gpu_kernels = [k for k, v in KERNELS.items() if next(iter(v.values())).pads]
+    parser.add_argument(
+        "--kernel",
+        choices=gpu_kernels,
+        default=None,
+        help="kernel-aware form: quantise attention to this kernel's tiles (read from its "
+        "source) and price the fit's constant per document (default: the plain form)",
+    )
+    parser.add_argument("--heads", type=int, default=None, help="override the query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="override the KV heads")
+    parser.add_argument("--head-dim", type=int, default=None, help="override the head dim")
     args = parser.parse_args(argv)
     if not (args.src / "nccl_perf.csv").exists():
         parser.error(f"--src {args.src} does not hold the DistCA reference CSVs")
+    overrides = {
+        k: v
+        for k, v in (
+            ("num_heads", args.heads),
+            ("num_kv_heads", args.kv_heads),
+            ("head_dim", args.head_dim),
+        )
+        if v is not None
+    }
     try:
-        shape = None if args.model == DEFAULT_MODEL else load_shape(args.model)
+        shape = None if args.model == DEFAULT_MODEL and not overrides else load_shape(args.model)
+        if overrides:
+            fields = shape.to_dict() | overrides
+            if args.name is None:
+                fields["name"] = shape.name + "".join(
+                    f"-{k.removeprefix('num_').replace('_', '-')}{v}" for k, v in overrides.items()
+                )
+            shape = DecoderShape.from_dict(fields, origin="--heads/--kv-heads/--head-dim")
     except ShapeError as exc:
         parser.error(f"--model: {exc}")
-    profile = build_reference_profile(args.src, analytic=args.analytic, shape=shape, name=args.name)
+    try:
+        profile = build_reference_profile(
+            args.src, analytic=args.analytic, shape=shape, name=args.name, kernel=args.kernel
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     for warning in coverage_warnings(shape or SHAPES[DEFAULT_MODEL]):
         print(f"warning: outside the measured data: {warning}", file=sys.stderr)
     out = args.out or PROFILES_DIR / f"{profile.name}.json"

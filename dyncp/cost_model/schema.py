@@ -33,6 +33,13 @@ optimistic guess); with no list at all it is derived from the ring link of u ran
 NVSwitch inside a node). A profile without the field loads and prices exactly as before, and
 ``to_json`` leaves the field out while it is empty.
 
+Kernel-aware attention (both optional, both left out by ``to_json`` while unset, so a profile
+without them loads and prices exactly as before under the same ``schema_version``):
+``attention.tiles`` quantises each attention call to the kernel's tiles (block sizes read from
+the kernel's source, ``dyncp.cost_model.kernels``), and ``attention.ring_sequence_step_seconds``
+is a fixed cost per (sequence x ring step) at CP > 1 -- the per-chunk correction and launch
+kernels of a ring implementation -- that CP 1 never pays.
+
 Padding: ``padding.multiple_per_rank`` (default 2: zigzag, a multiple of 2c) sets how each
 sequence is padded when the model *prices* a micro-batch at c > 1; 0 prices unpadded tokens, as
 published analytic models do. Memory is the plan contract's rule (``dyncp.plan.padded_length``)
@@ -148,6 +155,28 @@ def _check_head_scales(scales: list[HeadScale]) -> None:
         raise ValueError("attention.head_scales must be sorted by strictly increasing heads")
 
 
+class AttentionTiles(_Strict):
+    """The attention kernel's tiles (``dyncp.cost_model.kernels``: read from its source, never
+    fitted). When present, every attention call prices a chunk of n tokens at the causal length
+    its padded tiles cover (``kernels.tile_length``), forward and backward each with its own
+    blocks; absent, chunks are priced at their length (profiles without the field price exactly
+    as before)."""
+
+    kernel: str = Field(description="kernel name, e.g. fa3-sm90 (dyncp.cost_model.kernels)")
+    forward_block_q: int = Field(ge=1)
+    forward_block_kv: int = Field(ge=1)
+    backward_block_q: int = Field(ge=1)
+    backward_block_kv: int = Field(ge=1)
+    pads: bool = Field(default=True, description="a partial tile costs a whole one")
+    source: str = Field(description="file and line of the kernel source the blocks are read from")
+
+
+_RING_SEQUENCE = (
+    "fixed cost per sequence per ring step at CP > 1 (correction and launch kernels per chunk), "
+    "fwd+bwd; CP 1 and all-to-all groups never pay it"
+)
+
+
 class AttentionTable(_Strict):
     """Measured causal attention forward+backward seconds per layer for one sequence, cp = 1."""
 
@@ -164,6 +193,8 @@ class AttentionTable(_Strict):
     head_scales: list[HeadScale] = Field(
         default=[], description="per head-split size u: measured attention cost of 1/u of heads"
     )
+    ring_sequence_step_seconds: float = Field(ge=0, default=0.0, description=_RING_SEQUENCE)
+    tiles: AttentionTiles | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AttentionTable:
@@ -194,6 +225,8 @@ class AttentionQuadratic(_Strict):
     backward_forward_ratio: float = Field(gt=0, default=2.5)
     sequence_overhead_seconds: float = Field(ge=0, default=0.0)
     head_scales: list[HeadScale] = Field(default=[])
+    ring_sequence_step_seconds: float = Field(ge=0, default=0.0, description=_RING_SEQUENCE)
+    tiles: AttentionTiles | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AttentionQuadratic:
@@ -335,6 +368,11 @@ class Profile(_Strict):
             raise ValueError("layer_mix: no layer has a mixer (attention, window or ssm)")
         if self.communication.kind != "ring":
             raise ValueError("layer_mix is priced for ring attention: communication.kind 'ring'")
+        if self.attention.ring_sequence_step_seconds:
+            raise ValueError(
+                "attention.ring_sequence_step_seconds is priced for profiles without a "
+                "layer_mix; set it to 0 or drop the layer_mix"
+            )
         return self
 
     @classmethod
@@ -358,6 +396,9 @@ class Profile(_Strict):
             data.pop("layer_mix", None)  # profiles without a mix keep their exact form
         if not data["attention"].get("head_scales"):
             data["attention"].pop("head_scales", None)  # nor without measured head scales
+        for key, empty in (("ring_sequence_step_seconds", 0.0), ("tiles", None)):
+            if data["attention"].get(key) == empty:
+                data["attention"].pop(key, None)  # nor without the kernel-aware terms
         if not data["communication"].get("all_to_all_links"):
             data["communication"].pop("all_to_all_links", None)  # nor without a head exchange
         return json.dumps(data, indent=2) + "\n"
