@@ -133,3 +133,11 @@ def test_relayout_moves_a_late_wave_onto_the_ranks_free_first() -> None:
     assert seconds == pytest.approx(
         evaluate_plan(moved, model(), timing="dataflow").step_seconds, rel=REL
     )
+
+
+def test_the_services_fallback_planner_keeps_the_timing() -> None:
+    from dyncp.service import fallback_planner
+
+    for timing in TIMINGS:
+        fallback = fallback_planner(planner(timing, deterministic=False))
+        assert fallback.timing == timing and fallback.deterministic
