@@ -41,7 +41,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import trim_mean
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.plan import StepPlan, Topology
@@ -86,8 +86,11 @@ def dcp_padded(lengths: np.ndarray, gpus: int) -> np.ndarray:
     return -(-lengths // unit) * unit
 
 
-def step_plans(gpus: int, steps: int, model: CostModel) -> dict[str, list[StepPlan]]:
-    """Each policy's plans for ``steps`` consecutive global batches of 2 x GPUs samples."""
+def step_plans(
+    gpus: int, steps: int, model: CostModel, *, timing: str = "dataflow"
+) -> dict[str, list[StepPlan]]:
+    """Each policy's plans for ``steps`` consecutive global batches of 2 x GPUs samples (dyncp
+    planned for ``timing``; the other policies do not price their plans)."""
     topology = Topology(gpus, RANKS_PER_NODE, CAPACITY)
     batch = MICROBATCHES_PER_DP_RANK * gpus // CP
     lengths = mock_lengths(steps * batch)
@@ -98,6 +101,7 @@ def step_plans(gpus: int, steps: int, model: CostModel) -> dict[str, list[StepPl
         capacity=CAPACITY,
         policy="dyncp",
         deterministic=True,
+        timing=timing,
     )
     plans: dict[str, list[StepPlan]] = {p: [] for p in ("dp-balanced", "megatron", "min-cp")}
     plans["dyncp"] = []
@@ -110,9 +114,12 @@ def step_plans(gpus: int, steps: int, model: CostModel) -> dict[str, list[StepPl
     return plans
 
 
-def trimmed_seconds(plans: list[StepPlan], model: CostModel) -> float:
-    """10%-trimmed mean of the predicted step seconds (the published statistic)."""
-    return float(trim_mean([evaluate_plan(p, model).step_seconds for p in plans], 0.1))
+def trimmed_seconds(plans: list[StepPlan], model: CostModel, *, timing: str = "dataflow") -> float:
+    """10%-trimmed mean of the predicted step seconds (the published statistic), timed as
+    ``timing``: dataflow by default, as Megatron's dynamic CP and dyncp's runtime run (no
+    barrier between micro-batches of different groups)."""
+    seconds = [evaluate_plan(p, model, timing=timing).step_seconds for p in plans]
+    return float(trim_mean(seconds, 0.1))
 
 
 def with_extra_step_cost(profile: Profile, seconds: float) -> CostModel:
@@ -127,13 +134,21 @@ def with_extra_step_cost(profile: Profile, seconds: float) -> CostModel:
 
 
 def extra_step_cost_to_match(
-    profile: Profile, base: list[StepPlan], dcp: list[StepPlan], published: float
+    profile: Profile,
+    base: list[StepPlan],
+    dcp: list[StepPlan],
+    published: float,
+    *,
+    timing: str = "dataflow",
 ) -> float | None:
     """Extra seconds per ring step making the simulated speedup equal ``published`` (or None)."""
 
     def gap(extra: float) -> float:
         model = with_extra_step_cost(profile, extra)
-        return trimmed_seconds(base, model) / trimmed_seconds(dcp, model) - published
+        return (
+            trimmed_seconds(base, model, timing=timing) / trimmed_seconds(dcp, model, timing=timing)
+            - published
+        )
 
     lo, hi = gap(0.0), gap(MAX_EXTRA_STEP_SECONDS)
     if lo >= 0:
@@ -151,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-diagnostic", action="store_true", help="skip the extra-step-cost diagnostic"
     )
+    parser.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="dataflow",
+        help="step timing: dataflow (default, no barrier between waves) or barrier",
+    )
     args = parser.parse_args(argv)
     unknown = [g for g in args.gpus if g not in PUBLISHED]
     if unknown or args.steps < 2:
@@ -159,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     model = CostModel(profile, RANKS_PER_NODE)
     print(
         f"profile {profile.name}, {RANKS_PER_NODE} GPUs/node, CP {CP}, capacity {CAPACITY}, "
-        f"{args.steps} steps per GPU count, 10%-trimmed means (as published)\n"
+        f"{args.steps} steps per GPU count, 10%-trimmed means (as published), {args.timing} "
+        "timing\n"
     )
     header = (
         f"{'GPUs':>4} | {'published ms':>13} {'x':>6} {'avg x':>6} | {'megatron (dev) ms':>17} "
@@ -171,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for gpus in args.gpus:
         start = time.perf_counter()
-        plans = step_plans(gpus, args.steps, model)
-        sec = {p: trimmed_seconds(v, model) for p, v in plans.items()}
+        plans = step_plans(gpus, args.steps, model, timing=args.timing)
+        sec = {p: trimmed_seconds(v, model, timing=args.timing) for p, v in plans.items()}
         base_ms, dcp_ms, pub = PUBLISHED[gpus]
         x = {p: sec["dp-balanced"] / sec[p] for p in ("megatron", "min-cp", "dyncp")}
         ok = abs(x["megatron"] / pub - 1) <= TOLERANCE
@@ -198,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     for gpus, (plans, sec) in results.items():
         pub = PUBLISHED[gpus][2]
         extra = [
-            extra_step_cost_to_match(profile, plans["dp-balanced"], plans[p], pub)
+            extra_step_cost_to_match(
+                profile, plans["dp-balanced"], plans[p], pub, timing=args.timing
+            )
             for p in ("megatron", "min-cp")
         ]
         shown = [f"{e * 1e6:.0f}" if e is not None else "none" for e in extra]
