@@ -33,6 +33,8 @@ def relayout(plan: StepPlan, cost: PlanCost, wave_overhead: float) -> tuple[floa
     """``plan`` with each wave's groups moved to the blocks free earliest (module docstring) and
     its dataflow step seconds, or None when nothing moved or a size ran out of blocks. ``cost``
     is ``plan``'s cost under either timing (only its micro-batch seconds are used)."""
+    if len(plan.waves) < 2:  # every group of a single wave starts at 0 wherever it is
+        return None
     topo = plan.topology
     free = np.zeros(topo.world)
     blocks: dict[int, np.ndarray] = {}

@@ -722,12 +722,14 @@ class GreedyConstructor:
         self.deadline = stop
         dataflow = self.timing == "dataflow"
         best: tuple[float, StepPlan] | None = None
+        picked: StepPlan | None = None  # the candidate ``best`` was made from (re-laid out)
         barrier: tuple[float, StepPlan] | None = None  # dataflow only: the barrier's pick
         last = time.perf_counter()
         for plan in self.candidates():
             cost = evaluate_plan(plan, self.model, timing=self.timing)
             self.tried += 1
             seconds = cost.step_seconds
+            candidate = plan
             if dataflow:
                 flat = np.concatenate([np.asarray(s) for s in cost.microbatch_seconds])
                 wall = time_waves(plan, flat, self.model.wave_overhead).step_seconds
@@ -736,15 +738,18 @@ class GreedyConstructor:
                 seconds, plan = self._relaid(plan, cost)
             if best is None or seconds < best[0]:
                 best = (seconds, plan)
+                picked = candidate
             now = time.perf_counter()
             # Stop when the next candidate, if it takes as long as this one, would end late.
             if stop is not None and now + (now - last) >= stop:
                 break
             last = now
         assert best is not None
+        # The local search from the dataflow pick and from the barrier's (once when they are the
+        # same candidate: from the candidate as built, which is what the barrier would search).
         starts = [best[1]]
-        if barrier is not None and barrier[1] is not best[1]:
-            starts.append(barrier[1])
+        if barrier is not None:
+            starts = [barrier[1]] if barrier[1] is picked else [best[1], barrier[1]]
         for n, start in enumerate(starts):
             until = deadline
             if deadline is not None and n == 0 and len(starts) > 1:
