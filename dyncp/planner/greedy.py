@@ -21,7 +21,10 @@ order of promise (``candidates``), each priced with the exact cost model:
 
 Every group's sequences are packed first-fit-decreasing into micro-batches within capacity.
 ``best`` prices candidates until the deadline (or all of them without one: deterministic, ties
-broken by index), then runs the local search on the fastest.
+broken by index), then runs the local search on the fastest. Candidates are priced under
+``timing`` (default dataflow: no barrier between waves, ``dyncp.cost_model.evaluate``); under
+dataflow each is also tried re-laid out (``dyncp.planner.dataflow``) and the barrier's pick is
+searched too (``best``).
 """
 
 from __future__ import annotations
