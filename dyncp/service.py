@@ -146,7 +146,8 @@ def fallback_planner(planner: Planner) -> Planner:
     """The deterministic greedy planner on ``planner``'s topology and cost model.
 
     A pure function of the batch (no CP-SAT, no wall clock), so every rank computes the same plan.
-    It chooses head splits when ``planner`` does (policy ``dyncp-hybrid``).
+    It chooses head splits when ``planner`` does (policy ``dyncp-hybrid``) and optimises the
+    same timing (``planner.timing``).
     """
     t = planner.topology
     return Planner(
@@ -161,6 +162,7 @@ def fallback_planner(planner: Planner) -> Planner:
         head_sizes=t.head_sizes,
         query_heads=t.query_heads,
         kv_heads=t.kv_heads,
+        timing=planner.timing,
     )
 
 

@@ -60,7 +60,7 @@ def test_hybrid_plans_are_valid_and_priced_exactly(seed: int) -> None:
     assert plan.policy == "dyncp-hybrid"
     assert plan.topology.head_sizes == HEADS
     assert (plan.topology.query_heads, plan.topology.kv_heads) == (32, 8)  # the profile's
-    exact = evaluate_plan(plan, p.model).step_seconds
+    exact = evaluate_plan(plan, p.model, timing="dataflow").step_seconds
     assert plan.stats["predicted_step_seconds"] == pytest.approx(exact, rel=1e-12)
     assert plan.stats["predicted_step_seconds"] >= plan.stats["lower_bound_seconds"] * (1 - 1e-9)
     # Every group sits on its fastest allowed split.

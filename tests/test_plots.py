@@ -89,7 +89,8 @@ def test_missing_matplotlib_gives_the_install_command(
     assert not (tmp_path / "p").exists()
 
 
-def test_gantt_draws_every_microbatch_and_the_idle_time() -> None:
+@pytest.mark.parametrize("timing", ["barrier", "dataflow"])
+def test_gantt_draws_every_microbatch_and_the_idle_time(timing: str) -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.collections import PatchCollection
 
@@ -99,17 +100,24 @@ def test_gantt_draws_every_microbatch_and_the_idle_time() -> None:
     plans = {}
     for policy in ("megatron", "dyncp"):
         planner = Planner(
-            model(), world=8, ranks_per_node=4, capacity=512, policy=policy, max_length=4096
+            model(),
+            world=8,
+            ranks_per_node=4,
+            capacity=512,
+            policy=policy,
+            max_length=4096,
+            timing=timing,
         )
         plans[policy] = planner.plan(lengths)
-    fig = gantt_figure(plans, model())
+    fig = gantt_figure(plans, model())  # each plan drawn under the timing it was made for
     axes = fig.axes
     assert len(axes) == 2
-    slowest = max(evaluate_plan(p, model()).step_seconds for p in plans.values())
+    slowest = max(evaluate_plan(p, model(), timing=timing).step_seconds for p in plans.values())
     for ax, plan in zip(axes, plans.values()):
-        cost = evaluate_plan(plan, model())
+        cost = evaluate_plan(plan, model(), timing=timing)
         idle, bars, outlines = [c for c in ax.collections if isinstance(c, PatchCollection)]
-        assert len(idle.get_paths()) == len(plan.waves)
+        # Barrier: one idle block per wave; dataflow: one behind the whole step.
+        assert len(idle.get_paths()) == (len(plan.waves) if timing == "barrier" else 1)
         assert len(bars.get_paths()) == sum(1 for _ in plan.microbatches())
         assert len(outlines.get_paths()) == sum(len(w.groups) for w in plan.waves)
         # Shared time axis: the slowest policy fits; ranks on y, rank 0 at the top.
@@ -120,9 +128,18 @@ def test_gantt_draws_every_microbatch_and_the_idle_time() -> None:
         for path in bars.get_paths():
             (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
             area += (x1 - x0) * (y1 - y0)
+            assert x1 <= cost.step_seconds * (1 + 1e-9)  # every bar inside the step
         assert area == pytest.approx(float(cost.rank_busy_seconds.sum()), rel=1e-9)
+        if timing == "dataflow":  # each group drawn where its span says
+            spans = [s for wave in cost.group_spans for s in wave]
+            boxes = [p.vertices for p in outlines.get_paths()]
+            for (start, end), v in zip(spans, boxes):
+                assert v[:, 0].min() == pytest.approx(start + model().wave_overhead, abs=1e-12)
+                assert v[:, 0].max() == pytest.approx(end, rel=1e-9)
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "idle" in labels and "wave boundary" in labels
+        assert "idle" in labels
+        assert ("wave boundary" in labels) == (timing == "barrier")
+        assert ax.get_title(loc="left").endswith(f"{timing} timing")
         sizes = sorted({g.size for w in plan.waves for g in w.groups})
         assert [f"CP {c}" for c in sizes] == labels[: len(sizes)]
 

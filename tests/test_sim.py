@@ -279,6 +279,31 @@ def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "truncated" in err  # the bundled Wikipedia sample has documents over 4096 tokens
 
 
+def test_cli_timing_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--timing``: dataflow by default, barrier on request; the report and the printed header
+    say which, each policy's steps are priced (and planned) under it, and no policy is faster
+    timed with a barrier than without one on the same batches (dataflow <= barrier per plan,
+    and the dataflow planners optimise dataflow)."""
+    flow, out_flow, _ = run_cli(tmp_path, capsys, name="flow.json")
+    wall, out_wall, _ = run_cli(tmp_path, capsys, "--timing", "barrier", name="wall.json")
+    assert flow["config"]["timing"] == "dataflow" and "dataflow timing" in out_flow
+    assert wall["config"]["timing"] == "barrier" and "barrier timing" in out_wall
+    check_report(flow)
+    check_report(wall)
+    for name in ("static", "megatron", "batch-adaptive", "dp-balanced"):
+        # The baselines make the same plans either way: only the price changes.
+        for f, w in zip(
+            flow["policies"][name]["step_seconds"], wall["policies"][name]["step_seconds"]
+        ):
+            assert f <= w * (1 + 1e-12), name
+    assert (
+        flow["policies"]["megatron"]["step_seconds"] != wall["policies"]["megatron"]["step_seconds"]
+    )
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--timing", "async"])
+    assert "--timing" in capsys.readouterr().err
+
+
 class LoadedClock:
     """``time.perf_counter`` of a machine so loaded that each reading is ``step`` seconds after
     the previous one: any deadline the planners set has passed by the next reading."""

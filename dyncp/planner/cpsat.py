@@ -27,7 +27,9 @@ plan here), and a bucket's items are priced at the bucket's mean cost, off by at
 ratio (25%) on each small sequence. The model is hinted with the incoming plan (every variable,
 levels included), so the solver starts from it. The solution is realised by dealing each
 bucket's sequences, longest first, to its slots in proportion to the counts, then priced with
-the exact cost model by the caller, which keeps it only if it is faster.
+the exact cost model by the caller, which keeps it only if it is faster under the planner's
+timing (dataflow by default: the model's sum of wave levels is the barrier price, which bounds
+the dataflow one from above, so the solver works on a proxy and the acceptance decides).
 
 Timeouts, an infeasible or invalid model, or a solver error never raise: the incoming plan is
 returned and the outcome is recorded in ``CpSatResult.status``.

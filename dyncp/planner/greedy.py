@@ -21,7 +21,10 @@ order of promise (``candidates``), each priced with the exact cost model:
 
 Every group's sequences are packed first-fit-decreasing into micro-batches within capacity.
 ``best`` prices candidates until the deadline (or all of them without one: deterministic, ties
-broken by index), then runs the local search on the fastest.
+broken by index), then runs the local search on the fastest. Candidates are priced under
+``timing`` (default dataflow: no barrier between waves, ``dyncp.cost_model.evaluate``); under
+dataflow each is also tried re-laid out (``dyncp.planner.dataflow``) and the barrier's pick is
+searched too (``best``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
 from dyncp.planner.assignment import Assignment
 from dyncp.planner.costs import SequenceCosts
+from dyncp.planner.dataflow import relayout
 from dyncp.planner.local_search import improve
 from dyncp.planner.packing import lpt, pack_ffd, place_waves
 from dyncp.planner.structure import Structure, StructureSearch
@@ -96,6 +100,7 @@ class GreedyConstructor:
         topology: ranks and capacity.
         model: the cost model used both to choose and to price.
         structures: (stretch, boost) pairs tried, see ``choose_sizes``.
+        timing: how candidates are timed and compared (``dyncp.cost_model.evaluate.TIMINGS``).
     """
 
     def __init__(
@@ -104,11 +109,14 @@ class GreedyConstructor:
         topology: Topology,
         model: CostModel,
         structures: tuple[tuple[float, int], ...] = STRUCTURES,
+        *,
+        timing: str = "dataflow",
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.topology = topology
         self.model = model
         self.structures = structures
+        self.timing = check_timing(timing)
         self.costs = SequenceCosts(self.lengths, topology, model)
         self.sizes = self.costs.sizes
         self.min_cp = self.costs.min_cp
@@ -689,7 +697,7 @@ class GreedyConstructor:
         return self.costs.ideal_seconds()
 
     def best(self, deadline: float | None = None) -> StepPlan:
-        """The fastest candidate under the cost model (first one on ties).
+        """The fastest candidate under the cost model and ``timing`` (first one on ties).
 
         Anytime: with a ``deadline`` (``time.perf_counter()`` seconds) it stops pricing
         candidates when the next one, as slow as the last, would end past ``CANDIDATE_SHARE`` of
@@ -697,8 +705,17 @@ class GreedyConstructor:
         the local search (``dyncp.planner.local_search``) on the best until the deadline, and
         returns the best so far; ``tried`` counts the candidates priced. Without a deadline it
         prices them all and bounds the local search by rounds only (deterministic).
+
+        Under the dataflow timing every candidate is also tried re-laid out
+        (``dyncp.planner.dataflow.relayout``: the same groups on the ranks free first; priced
+        by the re-layout itself, no cost-model call), and the candidate the barrier timing
+        would pick is kept beside the dataflow best: the local search (whose additive objective
+        is the barrier's) runs on both, the second half of the time on the barrier pick, and
+        the fastest of them all under dataflow wins. So in deterministic mode the result is
+        never slower, timed as dataflow, than what the barrier objective would have returned.
         """
         self.tried = 0
+        self.moves = 0
         if len(self.lengths) == 0:
             return StepPlan(self.topology, (), (), policy="dyncp")
         stop = None
@@ -706,28 +723,67 @@ class GreedyConstructor:
             now = time.perf_counter()
             stop = now + CANDIDATE_SHARE * max(deadline - now, 0.0)
         self.deadline = stop
+        dataflow = self.timing == "dataflow"
         best: tuple[float, StepPlan] | None = None
+        picked: StepPlan | None = None  # the candidate ``best`` was made from (re-laid out)
+        barrier: tuple[float, StepPlan] | None = None  # dataflow only: the barrier's pick
         last = time.perf_counter()
         for plan in self.candidates():
-            seconds = evaluate_plan(plan, self.model).step_seconds
+            cost = evaluate_plan(plan, self.model, timing=self.timing)
             self.tried += 1
+            seconds = cost.step_seconds
+            candidate = plan
+            if dataflow:
+                flat = np.concatenate([np.asarray(s) for s in cost.microbatch_seconds])
+                wall = time_waves(plan, flat, self.model.wave_overhead).step_seconds
+                if barrier is None or wall < barrier[0]:
+                    barrier = (wall, plan)
+                seconds, plan = self._relaid(plan, cost)
             if best is None or seconds < best[0]:
                 best = (seconds, plan)
+                picked = candidate
             now = time.perf_counter()
             # Stop when the next candidate, if it takes as long as this one, would end late.
             if stop is not None and now + (now - last) >= stop:
                 break
             last = now
         assert best is not None
-        moved, self.moves = improve(Assignment.from_plan(best[1], self.costs), deadline)
-        if self.moves:
-            try:
-                plan = moved.to_plan(best[1])
-            except ValueError:  # a slot whose sequences no longer pack into micro-batches
-                return best[1]
-            if evaluate_plan(plan, self.model).step_seconds < best[0]:
-                return plan
+        # The local search from the dataflow pick and from the barrier's (once when they are the
+        # same candidate: from the candidate as built, which is what the barrier would search).
+        starts = [best[1]]
+        if barrier is not None:
+            starts = [barrier[1]] if barrier[1] is picked else [best[1], barrier[1]]
+        for n, start in enumerate(starts):
+            until = deadline
+            if deadline is not None and n == 0 and len(starts) > 1:
+                until = time.perf_counter() + 0.5 * max(deadline - time.perf_counter(), 0.0)
+            found = self._searched(start, until)
+            if found is not None and found[0] < best[0]:
+                best = found
         return best[1]
+
+    def _relaid(self, plan: StepPlan, cost: PlanCost) -> tuple[float, StepPlan]:
+        """Dataflow seconds and plan: ``plan`` or its re-layout, whichever is faster."""
+        relaid = relayout(plan, cost, self.model.wave_overhead)
+        if relaid is not None and relaid[0] < cost.step_seconds:
+            return relaid
+        return cost.step_seconds, plan
+
+    def _searched(self, plan: StepPlan, deadline: float | None) -> tuple[float, StepPlan] | None:
+        """The local search's plan from ``plan`` and its seconds (re-laid out under dataflow), or
+        None when it moved nothing or its slots no longer pack into micro-batches."""
+        moved, moves = improve(Assignment.from_plan(plan, self.costs), deadline)
+        self.moves += moves
+        if not moves:
+            return None
+        try:
+            plan = moved.to_plan(plan)
+        except ValueError:  # a slot whose sequences no longer pack into micro-batches
+            return None
+        cost = evaluate_plan(plan, self.model, timing=self.timing)
+        if self.timing == "dataflow":
+            return self._relaid(plan, cost)
+        return cost.step_seconds, plan
 
 
 def greedy_plan(lengths: np.ndarray, topology: Topology, model: CostModel) -> StepPlan:

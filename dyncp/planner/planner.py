@@ -14,6 +14,13 @@ when the exact cost model predicts it faster, so nothing after the greedy can ma
 or invalid, and nothing raises because a solver ran out of time: the best plan found by the
 deadline is returned. Solver outcomes are counted in ``Planner.solver_status_counts``.
 
+Objective (``timing``, default ``"dataflow"``): a plan is priced as ``dyncp.runtime.execute``
+runs it -- each rank runs its groups in wave order and a group starts when its last member is free
+(``dyncp.cost_model.evaluate``) -- and every comparison above (candidates, local search, CP-SAT,
+the user improver, head splits, the baselines' own choices) and every reported figure
+(``predicted_step_seconds``, ``imbalance``, ``efficiency``; ``stats["timing"]`` names it) uses that
+timing. ``timing="barrier"`` prices a barrier after every wave, as before, for comparison.
+
 Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
 with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
@@ -35,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
@@ -111,6 +118,10 @@ class Planner:
             the policy, so every policy's gap is against the same bound.
         query_heads, kv_heads: the model's attention heads (default: the profile's
             ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
+        timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``): ``"dataflow"``
+            (default: how ``dyncp.runtime.execute`` runs a plan, no barrier between waves) or
+            ``"barrier"`` (the wave-barrier price, kept for comparison). Every candidate, every
+            improvement and the baselines are compared and reported under it.
     """
 
     def __init__(
@@ -133,15 +144,15 @@ class Planner:
         head_sizes: Sequence[int] = (1,),
         query_heads: int | None = None,
         kv_heads: int | None = None,
+        timing: str = "dataflow",
     ) -> None:
+        self.timing = check_timing(timing)
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
         if not reserve_seconds >= 0:
             raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
         if policy not in ALL_POLICIES:
-            raise ValueError(
-                f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}"
-            )
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}")
         if model.ranks_per_node != ranks_per_node:
             raise ValueError(
                 f"cost model built for ranks_per_node={model.ranks_per_node}, planner has "
@@ -201,7 +212,7 @@ class Planner:
             assert self.static_cp is not None
             return fixed_cp_plan(lengths, topo, model, self.static_cp), None
         if self.policy == "batch-adaptive":
-            return batch_adaptive_plan(lengths, topo, model), None
+            return batch_adaptive_plan(lengths, topo, model, timing=self.timing), None
         if self.policy == "megatron":
             return megatron_plan(lengths, topo), None
         if self.policy == HYBRID_POLICY:
@@ -209,7 +220,7 @@ class Planner:
         core = nested_core(topo)
         if core is not None:
             return self._construct_menu(lengths, core, deadline)
-        greedy = GreedyConstructor(lengths, topo, model)
+        greedy = GreedyConstructor(lengths, topo, model, timing=self.timing)
         return greedy.best(deadline=deadline), greedy
 
     def _construct_menu(
@@ -229,16 +240,14 @@ class Planner:
         if deadline is not None:
             now = time.perf_counter()
             half = now + max(deadline - now, 0.0) / 2
-        menu = GreedyConstructor(lengths, self.topology, self.model)
+        menu = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
         plan = menu.best(deadline=half)
         if len(lengths) and core.min_cp(int(lengths.max())) is None:
             return plan, menu
-        nested = GreedyConstructor(lengths, core, self.model)
+        nested = GreedyConstructor(lengths, core, self.model, timing=self.timing)
         other = nested.best(deadline=deadline)
         menu.tried += nested.tried
-        if evaluate_plan(other, self.model).step_seconds < evaluate_plan(
-            plan, self.model
-        ).step_seconds:
+        if self._seconds(other, self.model) < self._seconds(plan, self.model):
             other.topology = self.topology
             other.stats["construction"] = "powers-of-two"
             return other, menu
@@ -261,13 +270,12 @@ class Planner:
         if deadline is not None:
             now = time.perf_counter()
             half = now + max(deadline - now, 0.0) / 2
-        ring = GreedyConstructor(lengths, self.topology, self.model)
-        split = GreedyConstructor(lengths, self.topology, self.search_model)
+        ring = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
+        split = GreedyConstructor(lengths, self.topology, self.search_model, timing=self.timing)
         ring_plan = ring.best(deadline=half)
         split_plan = split.best(deadline=deadline)
         ring_seconds, split_seconds = (
-            evaluate_plan(choose_splits(p, self.model), self.model).step_seconds
-            for p in (ring_plan, split_plan)
+            self._seconds(choose_splits(p, self.model), self.model) for p in (ring_plan, split_plan)
         )
         if ring_seconds < split_seconds:
             ring_plan.stats["construction"] = "ring-priced"
@@ -329,8 +337,15 @@ class Planner:
             log.warning("%s plan rejected, keeping the previous one: %s", who, exc)
             self.solver_status_counts["REJECTED"] += 1
             return plan, cost
-        new = evaluate_plan(candidate, self._pricing)
+        new = self._price(candidate, self._pricing)
         return (candidate, new) if new.step_seconds < cost.step_seconds else (plan, cost)
+
+    def _price(self, plan: StepPlan, model: CostModel | SplitEnvelope) -> PlanCost:
+        """``plan``'s cost under ``model``, timed as this planner's objective."""
+        return evaluate_plan(plan, model, timing=self.timing)  # type: ignore[arg-type]
+
+    def _seconds(self, plan: StepPlan, model: CostModel | SplitEnvelope) -> float:
+        return self._price(plan, model).step_seconds
 
     @property
     def search_model(self) -> CostModel | SplitEnvelope:
@@ -369,7 +384,7 @@ class Planner:
         plan, greedy = self._construct(lengths, deadline)
         construct_seconds = time.perf_counter() - start
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
-        cost = evaluate_plan(plan, self._pricing)
+        cost = self._price(plan, self._pricing)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
@@ -380,7 +395,7 @@ class Planner:
         if self.policy == HYBRID_POLICY:
             plan = choose_splits(plan, self.model)
             plan.policy = self.policy
-            cost = evaluate_plan(plan, self.model)
+            cost = self._price(plan, self.model)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
@@ -395,6 +410,7 @@ class Planner:
         plan.stats.update(stats)
         plan.stats.update(
             policy=self.policy,
+            timing=self.timing,
             predicted_step_seconds=cost.step_seconds,
             imbalance=cost.imbalance,
             efficiency=cost.efficiency,

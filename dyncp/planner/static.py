@@ -51,8 +51,11 @@ def fixed_cp_plan(
     return StepPlan(topology, tuple(int(s) for s in lengths), waves, policy=policy)
 
 
-def batch_adaptive_plan(lengths: np.ndarray, topology: Topology, model: CostModel) -> StepPlan:
-    """The fastest single-CP-size plan for this step."""
+def batch_adaptive_plan(
+    lengths: np.ndarray, topology: Topology, model: CostModel, *, timing: str = "dataflow"
+) -> StepPlan:
+    """The fastest single-CP-size plan for this step, timed as ``timing``
+    (``dyncp.cost_model.evaluate.TIMINGS``; one wave, so both timings agree up to rounding)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     need = int(min_cp_sizes(lengths, topology).max()) if len(lengths) else 1
     best: tuple[float, StepPlan] | None = None
@@ -60,7 +63,7 @@ def batch_adaptive_plan(lengths: np.ndarray, topology: Topology, model: CostMode
         if cp < need or (CostModel.padded(cp, lengths) > cp * topology.capacity).any():
             continue  # (with tiny capacities a larger group can hold less than a smaller one)
         plan = fixed_cp_plan(lengths, topology, model, cp, policy="batch-adaptive")
-        seconds = evaluate_plan(plan, model).step_seconds
+        seconds = evaluate_plan(plan, model, timing=timing).step_seconds
         if best is None or seconds < best[0]:
             best = (seconds, plan)
     assert best is not None

@@ -5,13 +5,15 @@
     python -m dyncp.sim --dataset lengths.parquet --column n_tokens --max-length 65536
     python -m dyncp.sim --metrics-port 9464 --hold      # Prometheus metrics while replaying
     python -m dyncp.sim --plot plots/                    # Gantt charts and step-time plots
+    python -m dyncp.sim --timing barrier                 # the wave-barrier price, to compare
 
 Prints, per policy: mean predicted step seconds, speedup vs static, mean imbalance, gap to the
-lower bound, plan latency p50/p99 and the CP-size mix. Same arguments and seed, same numbers on
-any machine and under any load (plan latencies are wall-clock measurements and vary): the
-planners run in deterministic mode, pricing every candidate and never reading a clock, unless
-``--time-limit`` asks for the anytime planner a training job runs under a wall-clock deadline
-(docs/guides/determinism.md).
+lower bound, plan latency p50/p99 and the CP-size mix, all under ``--timing`` (default dataflow:
+no barrier between waves, as dyncp's runtime runs a plan; the planners optimise it too). Same
+arguments and seed, same numbers on any machine and under any load (plan latencies are
+wall-clock measurements and vary): the planners run in deterministic mode, pricing every
+candidate and never reading a clock, unless ``--time-limit`` asks for the anytime planner a
+training job runs under a wall-clock deadline (docs/guides/determinism.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import ProfileError, bundled_profiles
 from dyncp.datasets import (
@@ -210,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         "planner does; plans then depend on the machine and its load (default: deterministic "
         "planners, the same plans on any machine)",
     )
+    p.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="dataflow",
+        help="how a step is timed, planned for and reported: dataflow (default; no barrier "
+        "between waves, how dyncp's runtime runs a plan) or barrier (every wave ends together, "
+        "the price before dataflow execution; kept for one release, for comparison)",
+    )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
     p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
@@ -347,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_length=args.max_length,
                 head_sizes=args.head_sizes,
                 group_sizes=sizes,
+                timing=args.timing,
                 **_planner_mode(args.time_limit),
             )
             for name in policies
@@ -393,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_plan(step: int, name: str, plan: StepPlan) -> None:
         if metrics is not None:
-            cost = evaluate_plan(plan, model) if args.measurement_noise > 0 else None
+            noisy = args.measurement_noise > 0
+            cost = evaluate_plan(plan, model, timing=args.timing) if noisy else None
             metrics.observe_step(plan, cost=cost)
             if cost is not None:
                 measured = synthetic_measurement(
@@ -436,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             "group_sizes": list(planners[policies[0]].topology.group_sizes),
             "planner": "deterministic" if args.time_limit is None else "wall-clock",
             "time_limit": args.time_limit,
+            "timing": args.timing,
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),
@@ -444,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.steps} steps, {report['mean_batch_documents']:.0f} documents/step, "
         f"world {args.world} ({args.ranks_per_node}/node), capacity {args.capacity}, "
-        f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}"
+        f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}, "
+        f"{args.timing} timing"
     )
     print(format_table(summary))
     if args.json is not None:

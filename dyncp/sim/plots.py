@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
 from dyncp.sim.replay import PolicyRun
@@ -67,50 +67,61 @@ def draw_gantt(
     *,
     title: str | None = None,
     xmax: float | None = None,
+    timing: str | None = None,
 ) -> None:
     """Draw one step on ``ax``: a row per rank, time on x (up to ``xmax`` seconds).
 
     Each micro-batch is a bar over its group's ranks, coloured by CP size and outlined thinly;
     each group's block is outlined in black, with its head split written on it when it has one
-    (``a2a4xring2``); the hatched grey behind them is idle time; dashed red vertical lines
-    separate the waves (whose length includes the per-wave overhead).
+    (``a2a4xring2``); the hatched grey behind them is idle time. ``timing`` (default: the one
+    the plan was made for, ``stats["timing"]``, else dataflow) places the groups: under
+    ``"dataflow"`` each group starts when its last rank is free (``PlanCost.group_spans``, the
+    wave overhead first); under ``"barrier"`` every wave starts together, and dashed red
+    vertical lines separate the waves (whose length includes the per-wave overhead).
     """
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
-    cost = evaluate_plan(plan, model)
+    timing = check_timing(timing or plan.stats.get("timing", "dataflow"))
+    cost = evaluate_plan(plan, model, timing=timing)
+    barrier = timing == "barrier"
     world = plan.topology.world
     xmax = cost.step_seconds if xmax is None else xmax
-    idle: list[Rectangle] = []
+    idle: list[Rectangle] = [] if barrier else [Rectangle((0.0, 0), cost.step_seconds, world)]
     bars: list[Rectangle] = []
     colours: list[str] = []
     outlines: list[Rectangle] = []
     t0 = 0.0
     for w, (wave, wave_seconds) in enumerate(zip(plan.waves, cost.wave_seconds)):
-        idle.append(Rectangle((t0, 0), wave_seconds, world))
+        if barrier:
+            idle.append(Rectangle((t0, 0), wave_seconds, world))
         j = 0
-        for group in wave.groups:
-            t = t0
+        for g, group in enumerate(wave.groups):
+            # Barrier: the wave's start; dataflow: the group's, after its overhead.
+            first = t0 if barrier else cost.group_spans[w][g][0] + model.wave_overhead
+            t = first
             for _ in group.microbatches:
                 dt = cost.microbatch_seconds[w][j]
                 j += 1
                 bars.append(Rectangle((t, group.start), dt, group.size))
                 colours.append(_colour(group.size))
                 t += dt
-            outlines.append(Rectangle((t0, group.start), t - t0, group.size))
-            if group.heads > 1 and t - t0 > 0.04 * xmax:
+            outlines.append(Rectangle((first, group.start), t - first, group.size))
+            if group.heads > 1 and t - first > 0.04 * xmax:
                 # A head split is written on its group: "a2a4xring2" (u ranks exchange heads).
                 ax.text(
-                    (t0 + t) / 2,
+                    (first + t) / 2,
                     group.start + group.size / 2,
                     group.layout_name,
                     ha="center",
                     va="center",
                     fontsize=6,
-                    rotation=90 if group.size > 4 * (t - t0) / xmax * world else 0,
+                    rotation=90 if group.size > 4 * (t - first) / xmax * world else 0,
                     zorder=5,
                 )
         t0 += wave_seconds
+        if not barrier:
+            continue
         if w < len(plan.waves) - 1:
             ax.axvline(t0, color=WAVE_COLOUR, linestyle="--", linewidth=1.6, zorder=4)
         if wave_seconds > 0.05 * xmax:
@@ -149,9 +160,10 @@ def draw_gantt(
     handles.append(Patch(facecolor=IDLE_COLOUR, edgecolor="#bbbbbb", hatch="///", label="idle"))
     from matplotlib.lines import Line2D
 
-    handles.append(
-        Line2D([], [], color=WAVE_COLOUR, linestyle="--", linewidth=1.6, label="wave boundary")
-    )
+    if barrier:
+        handles.append(
+            Line2D([], [], color=WAVE_COLOUR, linestyle="--", linewidth=1.6, label="wave boundary")
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     if title is None:
         title = plan.policy or str(plan.stats.get("policy", ""))
@@ -160,14 +172,21 @@ def draw_gantt(
     ax.set_title(
         f"{title}: {cost.step_seconds:.3f} s, imbalance {cost.imbalance:.3f}, "
         f"ranks busy {mean_busy / cost.step_seconds:.0%} of the step, "
-        f"{len(plan.lengths)} sequences, {waves}",
+        f"{len(plan.lengths)} sequences, {waves}, {timing} timing",
         fontsize=10,
         loc="left",
     )
 
 
-def gantt_figure(plans: Mapping[str, StepPlan], model: CostModel, *, caption: str = "") -> Figure:
-    """One Gantt panel per policy, stacked on a shared time axis."""
+def gantt_figure(
+    plans: Mapping[str, StepPlan],
+    model: CostModel,
+    *,
+    caption: str = "",
+    timing: str | None = None,
+) -> Figure:
+    """One Gantt panel per policy, stacked on a shared time axis, timed as ``timing`` (default:
+    each plan's own, see ``draw_gantt``)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
@@ -176,9 +195,16 @@ def gantt_figure(plans: Mapping[str, StepPlan], model: CostModel, *, caption: st
     height = 1.2 + n * max(2.2, min(4.5, world / 16))
     fig = Figure(figsize=(13, height), layout="constrained")
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
-    xmax = max(evaluate_plan(plan, model).step_seconds for plan in plans.values())
+    timings = {
+        name: check_timing(timing or plan.stats.get("timing", "dataflow"))
+        for name, plan in plans.items()
+    }
+    xmax = max(
+        evaluate_plan(plan, model, timing=timings[name]).step_seconds
+        for name, plan in plans.items()
+    )
     for ax, (name, plan) in zip(axes, plans.items()):
-        draw_gantt(ax, plan, model, title=name, xmax=xmax)
+        draw_gantt(ax, plan, model, title=name, xmax=xmax, timing=timings[name])
     for ax in axes[:-1]:
         ax.set_xlabel("")
     if caption:

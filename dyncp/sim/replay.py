@@ -226,8 +226,10 @@ def synthetic_measurement(
 ) -> SyntheticMeasurement:
     """Perturb each micro-batch's predicted seconds by a log-normal factor exp(N(0, sigma)).
 
-    Waves are re-timed as the runtime would see them: the slowest group's summed (perturbed)
-    micro-batches plus the wave overhead; a rank's busy time sums its micro-batches.
+    The step is re-timed as ``cost`` was (``cost.timing``): under dataflow each group starts
+    when its last rank is free, under barrier a wave lasts as long as its slowest group's
+    summed (perturbed) micro-batches, plus the wave overhead either way; a rank's busy time
+    sums its micro-batches.
     """
     if not sigma >= 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
@@ -236,5 +238,5 @@ def synthetic_measurement(
         for seconds in cost.microbatch_seconds
     ]
     flat = np.concatenate(measured) if measured else np.zeros(0)
-    timed = time_waves(plan, flat, model.wave_overhead)
+    timed = time_waves(plan, flat, model.wave_overhead, timing=cost.timing)
     return SyntheticMeasurement(timed.step_seconds, timed.rank_busy_seconds)
