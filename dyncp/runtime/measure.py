@@ -4,10 +4,15 @@
     if reports is not None:
         microbatches, waves = step_measurements(plan, reports)
 
-Each rank times its own micro-batches (``RankReport.timings``). A ring's micro-batch ends when its
-slowest rank ends, so the measurement of a micro-batch is the maximum over its group's ranks; a
-wave's wall clock is the maximum over all ranks, and its slowest group sets the busy part (the
-rest is the wave's synchronisation cost).
+Each rank times its own micro-batches (``RankReport.timings``). The runtime is dataflow: a group's
+members arrive at different times and its first collective holds the early ones until the last
+is there, so an early member's timing includes that wait. Every member's micro-batch ends
+together (the ring's collectives run in lockstep to its last step, a straggler included), so
+the member that started last measured the micro-batch alone: the measurement is the *minimum*
+over the group's ranks. The same reasoning gives a group's switching cost (what the cost model
+charges as ``wave_overhead`` once per group): a member's wave wall clock minus its own
+micro-batches, at the member that waited least. A wave's measurement is its slowest group's
+busy time plus the median switching cost of its groups.
 
 :class:`CollectiveCalibration` closes the loop without a plan service: at the end of a step every
 rank calls ``step()``; rank 0 refits (an :class:`~dyncp.calibration.OnlineCalibrator`) and a
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch.distributed as dist
 
 from dyncp.calibration import ModelVersion, OnlineCalibrator
@@ -60,18 +66,24 @@ def step_measurements(
         raise ValueError(f"{len(reports)} reports for a plan of {plan.topology.world} ranks")
     seconds: dict[tuple[int, int, int], float] = {}
     lengths: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    own: list[dict[int, float]] = []  # per rank: its own micro-batch seconds per wave
     for rep in reports:
         seen: dict[tuple[int, int], int] = {}
+        mine: dict[int, float] = {}
         for t in rep.timings:
             k = seen.get((t.wave, t.group_start), 0)
             seen[(t.wave, t.group_start)] = k + 1
             key = (t.wave, t.group_start, k)
-            seconds[key] = max(seconds.get(key, 0.0), t.seconds)
+            # Minimum over the group's ranks: the last to arrive did not wait (module docstring).
+            seconds[key] = min(seconds.get(key, t.seconds), t.seconds)
             lengths[key] = t.seqlens
+            mine[t.wave] = mine.get(t.wave, 0.0) + t.seconds
+        own.append(mine)
     microbatches: list[Measurement] = []
     waves: list[WaveMeasurement] = []
     for w, wave in enumerate(plan.waves):
         busiest = 0.0
+        switches: list[float] = []
         for g in wave.groups:
             group_busy = 0.0
             for k, mb in enumerate(g.microbatches):
@@ -85,8 +97,15 @@ def step_measurements(
                 microbatches.append(Measurement(g.size, expect, seconds[key], g.heads))
                 group_busy += seconds[key]
             busiest = max(busiest, group_busy)
-        wall = max(rep.wave_seconds[w] for rep in reports if w < len(rep.wave_seconds))
-        waves.append(WaveMeasurement(wall, min(busiest, wall)))
+            gaps = [
+                reports[r].wave_seconds[w] - own[r].get(w, 0.0)
+                for r in range(g.start, g.start + g.size)
+                if w < len(reports[r].wave_seconds)
+            ]
+            if gaps:
+                switches.append(max(min(gaps), 0.0))
+        switch = float(np.median(switches)) if switches else 0.0
+        waves.append(WaveMeasurement(busiest + switch, busiest))
     return microbatches, waves
 
 
