@@ -125,7 +125,7 @@ def explain(plan: StepPlan, model: CostModel, long_tokens: int) -> list[str]:
     """A text Gantt of ``plan``: per wave its level, its groups of more than one rank (size,
     seconds, how many sequences, those longer than ``long_tokens``) and its single ranks."""
     lengths = np.asarray(plan.lengths)
-    cost = evaluate_plan(plan, model)
+    cost = evaluate_plan(plan, model, timing="barrier")  # per wave its level, as the search sees it
     lines = []
     for w, (wave, seconds) in enumerate(zip(plan.waves, cost.microbatch_seconds)):
         j, rings, singles = 0, [], []

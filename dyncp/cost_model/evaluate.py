@@ -8,7 +8,8 @@ Two timings of the same plan (``TIMINGS``):
 - ``"dataflow"``: no barrier between waves. Each rank runs its groups in wave order, and a group
   starts when its last member is free (its first collective cannot complete earlier); it then
   takes the wave overhead (the switch to its communicator) plus its summed micro-batch seconds.
-  Step seconds = when the last rank is free. ``dyncp.runtime.execute`` runs plans this way.
+  Step seconds = when the last rank is free. ``dyncp.runtime.execute`` runs plans this way, so
+  it is the default everywhere (planner, simulator, benches).
 
 Dataflow is never slower than barrier for the same plan and seconds: by induction over waves,
 a group starts no later than its wave would start under the barrier, and it ends no later than
@@ -70,7 +71,7 @@ class PlanCost:
         )
 
 
-def evaluate_plan(plan: StepPlan, model: CostModel, *, timing: str = "barrier") -> PlanCost:
+def evaluate_plan(plan: StepPlan, model: CostModel, *, timing: str = "dataflow") -> PlanCost:
     """Predicted cost of ``plan`` under ``model`` (the plan is assumed valid), timed as ``timing``.
 
     Micro-batches are priced in one vectorised call per group layout (CP size and head split),
@@ -107,7 +108,7 @@ def evaluate_plan(plan: StepPlan, model: CostModel, *, timing: str = "barrier") 
 
 
 def time_waves(
-    plan: StepPlan, seconds: np.ndarray, wave_overhead: float, *, timing: str = "barrier"
+    plan: StepPlan, seconds: np.ndarray, wave_overhead: float, *, timing: str = "dataflow"
 ) -> PlanCost:
     """Step and rank times from each micro-batch's seconds, given in plan order.
 

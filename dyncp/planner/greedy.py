@@ -489,7 +489,7 @@ class GreedyConstructor:
         _, levels, extra = search.levels(structure)
         n_long = len(levels) - int(extra)
         short = set(search.short.tolist())
-        cost = evaluate_plan(plan, self.model)
+        cost = evaluate_plan(plan, self.model, timing="barrier")  # the search's wave levels
         slack = self.model.fixed_seconds(1)
         out: list[int] = []
         for w, (wave, seconds) in enumerate(zip(plan.waves[:n_long], cost.microbatch_seconds)):
@@ -735,7 +735,9 @@ class GreedyConstructor:
             candidate = plan
             if dataflow:
                 flat = np.concatenate([np.asarray(s) for s in cost.microbatch_seconds])
-                wall = time_waves(plan, flat, self.model.wave_overhead).step_seconds
+                wall = time_waves(
+                    plan, flat, self.model.wave_overhead, timing="barrier"
+                ).step_seconds
                 if barrier is None or wall < barrier[0]:
                     barrier = (wall, plan)
                 seconds, plan = self._relaid(plan, cost)
