@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
@@ -111,6 +111,8 @@ class Planner:
             the policy, so every policy's gap is against the same bound.
         query_heads, kv_heads: the model's attention heads (default: the profile's
             ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
+        timing: the timing the tight bound is proven for (``dyncp.cost_model.evaluate.TIMINGS``);
+            a ``"dataflow"`` bound also bounds barrier plans (dataflow is never slower).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class Planner:
         head_sizes: Sequence[int] = (1,),
         query_heads: int | None = None,
         kv_heads: int | None = None,
+        timing: str = "dataflow",
     ) -> None:
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
@@ -180,6 +183,7 @@ class Planner:
         self.min_improve_seconds = min_improve_seconds
         self.improver = improver
         self.bound = bound
+        self.timing = check_timing(timing)
         self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
         self._tail_seconds = 0.0  # validation + bounds of the previous call (wall clock)
         self.solver_status_counts: Counter[str] = Counter()
@@ -387,7 +391,9 @@ class Planner:
         simple = lower_bound(lengths, self.topology, self.search_model)
         bound, bound_info = simple, {"kind": "simple"}
         if self.bound == "tight":
-            lp = lp_lower_bound(lengths, self.topology, self.search_model, simple=simple)
+            lp = lp_lower_bound(
+                lengths, self.topology, self.search_model, simple=simple, timing=self.timing
+            )
             bound = lp.seconds
             bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
         t2 = time.perf_counter()
