@@ -189,6 +189,7 @@ from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.bound import lower_bound, min_cp_sizes
+from dyncp.planner.long_groups import ROUNDINGS, rounding_bound
 
 __all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
 
@@ -251,6 +252,7 @@ def lp_lower_bound(
             pad[k, ok] = CostModel.padded(c, lengths[ok])
     fixed = np.asarray([model.fixed_seconds(c) for c in sizes])
     one = sizes.index(1) if 1 in sizes else None
+    simple0 = lb0
     if one is not None:
         short = (m == 1) & (r[one] <= r.min(axis=0)) & (alone[one] + wo <= lb0)
     else:
@@ -406,7 +408,7 @@ def lp_lower_bound(
             got, y, status = solve(fix)
             solves += 1
             if np.isnan(got):  # GLOP failed: fall back to the closed form
-                return LpBound(lb0, lb0, status, nf, time.perf_counter() - start, solves)
+                return LpBound(lb0, simple0, status, nf, time.perf_counter() - start, solves)
             tick += 1
             heapq.heappush(heap, (max(value, got), tick, fix, y, True))
             stalled = stalled + 1 if solves > 1 and heap[0][0] <= value * (1 + 1e-9) else 0
@@ -421,8 +423,59 @@ def lp_lower_bound(
             heapq.heappush(heap, (max(value, closed(child)), tick, child, None, False))
     best = heap[0][0] if heap else np.inf
     if not np.isfinite(best):
-        return LpBound(lb0, lb0, "INFEASIBLE", nf, time.perf_counter() - start, solves)
-    return LpBound(max(best, lb0), lb0, name, nf, time.perf_counter() - start, solves)
+        best = lb0
+        name = "INFEASIBLE"
+    best = max(best, lb0)
+    if timing == "dataflow":  # barrier keeps its bound as it was, bit for bit
+        best = _rounded(best, m, r, alone, pad, fixed, one, lengths, topology, wo)
+    return LpBound(best, simple0, name, nf, time.perf_counter() - start, solves)
+
+
+def _rounded(
+    bound: float,
+    m: np.ndarray,
+    r: np.ndarray,
+    alone: np.ndarray,
+    pad: np.ndarray,
+    fixed: np.ndarray,
+    one: int | None,
+    lengths: np.ndarray,
+    topology: Topology,
+    wo: float,
+) -> float:
+    """``bound`` raised to the rounding bound (``dyncp.planner.long_groups``) where that is
+    higher. Sequences of minimum size 1, cheapest at size 1 and at most a quarter of
+    ``bound`` - o alone at size 1 (no rounding counts them there) enter as their busy time at
+    size 1, their least: r is least there, F[1] is the least F (contract 4), padding is least
+    there."""
+    low = bound - wo
+    keep = np.ones(len(lengths), dtype=bool)
+    kw: dict = {}
+    if one is not None:
+        left = (m == 1) & (r[one] <= r.min(axis=0)) & (alone[one] * (max(ROUNDINGS) + 1) <= low)
+        if left.any():
+            kw = {
+                "other_busy": float(
+                    (r[one, left] + fixed[one] * pad[one, left] / topology.capacity).sum()
+                ),
+                "other_r": r[:, left].min(axis=1),
+                "other_pad": pad[:, left].min(axis=1),
+            }
+        keep = ~left
+    if not keep.any():
+        return bound
+    t = rounding_bound(
+        sizes=np.asarray(topology.group_sizes),
+        alone=alone[:, keep],
+        r=r[:, keep],
+        pad=pad[:, keep],
+        fixed=fixed,
+        world=topology.world,
+        capacity=topology.capacity,
+        low=low,
+        **kw,
+    )
+    return max(bound, t + wo)
 
 
 def _lagrangian(
