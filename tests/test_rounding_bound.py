@@ -1,4 +1,4 @@
-"""The rounding bound (``dyncp.planner.long_groups``): per rank the groups fit in one step, so
+"""The rounding bound (``dyncp.planner.rounding``): per rank the groups fit in one step, so
 any dual-feasible rounding of their shares does too. Hand-checked where it binds, and never
 above the exhaustive dataflow optimum on small batches where it raises the tight bound."""
 
@@ -11,7 +11,7 @@ from test_lp_bound_exact import optimum
 
 import dyncp.planner.lp_bound as lp_bound
 from dyncp.plan import Topology
-from dyncp.planner.long_groups import rounding_bound
+from dyncp.planner.rounding import rounding_bound
 
 INF = np.inf
 

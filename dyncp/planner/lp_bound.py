@@ -165,12 +165,17 @@ tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
 
 ``timing="barrier"`` gives the bound of the barrier objective (bit for bit what it was before
 dataflow); ``"dataflow"`` one that holds for both (dataflow is never slower than barrier on a
-plan), only the holding part differs. Every other part holds under both, by F1 and F2: the LP
-rows, the closed form LB0 (``dyncp.planner.bound``) and each node's closed form.
+plan): the holding part differs, and the dataflow bound is then raised to the rounding bound of
+``dyncp.planner.rounding`` (valid under both by F1 and F2; left out of the barrier bound only to
+keep it as it was). Every other part holds under both, by F1 and F2: the LP rows, the closed
+form LB0 (``dyncp.planner.bound``) and each node's closed form. The reported value is never
+below LB0.
 
 Cost: about 5-25 ms per 512-sequence step here (build + one to six solves, and up to a few
-hundred layouts of the ``TOP`` = 4 longest sequences per distinct set of their sizes); the
-simulator computes it every step; the plan service may skip it (``Planner(bound="simple")``).
+hundred layouts of the ``TOP`` = 4 longest sequences per distinct set of their sizes; the
+rounding bound adds a few milliseconds: where the LP is tight its first check fails and it
+stops); the simulator computes it every step; the plan service may skip it
+(``Planner(bound="simple")``).
 """
 
 from __future__ import annotations
@@ -189,7 +194,7 @@ from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.bound import lower_bound, min_cp_sizes
-from dyncp.planner.long_groups import ROUNDINGS, rounding_bound
+from dyncp.planner.rounding import ROUNDINGS, rounding_bound
 
 __all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
 
@@ -443,7 +448,7 @@ def _rounded(
     topology: Topology,
     wo: float,
 ) -> float:
-    """``bound`` raised to the rounding bound (``dyncp.planner.long_groups``) where that is
+    """``bound`` raised to the rounding bound (``dyncp.planner.rounding``) where that is
     higher. Sequences of minimum size 1, cheapest at size 1 and at most a quarter of
     ``bound`` - o alone at size 1 (no rounding counts them there) enter as their busy time at
     size 1, their least: r is least there, F[1] is the least F (contract 4), padding is least
