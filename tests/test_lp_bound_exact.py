@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import random
 from collections.abc import Iterator
 
 import numpy as np
@@ -364,3 +366,49 @@ def rigid_optimum(tasks: tuple[tuple[int, float], ...], world: int) -> float:
         return best
 
     return finish(tuple(sorted(tasks)), ((0.0, world),))
+
+
+def random_small_batch(rng: random.Random) -> tuple[Topology, list[int], str]:
+    """A small batch, half of them built so that dataflow can beat barrier: a sequence for half
+    the ranks, one for two ranks, short ones for single ranks."""
+    kind = rng.choice(["reference", "quadratic", "flexsp"])
+    if rng.random() < 0.5:
+        world = rng.choice([2, 4, 8])
+        rpn = rng.choice([r for r in (2, 4) if world % r == 0 or world <= r])
+        topo = Topology(world, rpn, rng.choice([64, 100, 256]))
+        cap, longest = topo.capacity, topo.max_length()
+        n = rng.randint(1, 4 if world == 8 else 5)
+        pick = [1, longest, rng.randint(1, cap), rng.randint(1, longest)]
+        return topo, [rng.choice(pick) for _ in range(n)], kind
+    world = rng.choice([4, 8])
+    topo = Topology(world, rng.choice([2, 4]), rng.choice([64, 100, 256]))
+    cap = topo.capacity
+    lengths = [rng.randint(world // 2 * cap * 3 // 4, world // 2 * cap)]
+    lengths += [rng.randint(cap + 1, 2 * cap)]
+    lengths += [rng.randint(cap // 2, cap) for _ in range(rng.randint(1, 3 if world == 4 else 2))]
+    return topo, lengths, kind
+
+
+def test_random_small_batches_under_both_timings() -> None:
+    """A seeded sweep of small batches (``DYNCP_EXACT_BATCHES`` of them, 40 by default; run
+    with thousands to sweep wider): each timing's bound is at most that timing's exhaustive
+    optimum, the dataflow optimum at most the barrier one, and the dataflow bound at least the
+    closed form."""
+    rng = random.Random(2026)
+    for _ in range(int(os.environ.get("DYNCP_EXACT_BATCHES", "40"))):
+        topo, lengths, kind = random_small_batch(rng)
+        model = any_model(kind, topo.ranks_per_node)
+        arr = np.asarray(lengths)
+        simple = lower_bound(arr, topo, model)
+        best = {t: optimum(lengths, topo, model, t) for t in TIMINGS}
+        assert best["dataflow"] <= best["barrier"] * (1 + REL)
+        for timing in TIMINGS:
+            lp = lp_lower_bound(arr, topo, model, timing=timing)
+            assert simple * (1 - REL) <= lp.seconds <= best[timing] * (1 + REL), (
+                topo,
+                lengths,
+                kind,
+                timing,
+                lp.seconds,
+                best[timing],
+            )
