@@ -26,10 +26,11 @@ lam W + W T (a choice meeting both meets their combination). The least over c is
 lam, so the largest excess is found by bisection on its slope. Every T so shown impossible
 gives S > T + o; the bound is the largest one found (bisection on T), plus o.
 
-Where it binds: batches of a few dozen sequences each fast only on a group of several ranks
-(FlexSP-style all-to-all profiles, a sequence per 4-8 ranks). The LP runs a sequence partly on
-a few ranks and partly on many, and charges ranks only for busy time; only the integral choice
-of a size per sequence, with the step's length per rank, shows that they do not all fit.
+Where it binds: batches whose sequences each want a large share of the ranks for a large share
+of the step, where the LP, which charges ranks only for busy time and may run a sequence partly
+at two sizes, sees room that whole groups do not leave (tests/test_rounding_bound.py: 2-8 ranks,
+up to 28 points of the optimum). On the 64-rank scenarios of ``bench/bound_bench.py`` it has not
+raised the bound so far; it costs one check there (the first T above the LP's is possible).
 """
 
 from __future__ import annotations
