@@ -140,7 +140,8 @@ def batches(draw: st.DrawFn, max_size: int = 20) -> tuple[Topology, list[int]]:
 
 
 def assert_below(bound: float, plan: StepPlan, model: CostModel) -> None:
-    seconds = evaluate_plan(plan, model).step_seconds
+    # Dataflow is never slower than barrier on the same plan: below it is below both.
+    seconds = evaluate_plan(plan, model, timing="dataflow").step_seconds
     assert bound > 0
     assert bound <= seconds * (1 + REL), (bound, seconds, plan.to_json())
 

@@ -21,7 +21,7 @@ Why it is valid:
 - a micro-batch's time never decreases when a sequence is added (each ring step costs
   max(compute, transfer), both non-decreasing), so the longest sequence's micro-batch takes at
   least that sequence's best time alone;
-- every plan has at least one wave;
+- every plan has at least one wave, and one wave overhead is paid before any of it ends;
 - a plan runs each sequence at one CP size c, so both bounds hold for that c at once, hence the
   minimum over c of their maximum, for every sequence;
 - the same holds for pairs of the longest-running sequences (``_pair_bound``): two groups whose
@@ -29,6 +29,14 @@ Why it is valid:
 - none of this assumes sizes that are powers of two or a particular placement: c ranges over the
   topology's menu, and groups of one wave hold disjoint ranks whatever the placement rules
   (``dyncp.menu``), which only remove plans. So the bound holds for any menu.
+
+Both timings of ``dyncp.cost_model.evaluate``: every part uses only that a rank's busy time
+(its micro-batches) and any one micro-batch fit in the step minus one wave overhead, and that two
+groups sharing a rank run one after the other. Barrier: S is the sum over waves of (slowest
+group + o), a rank is busy at most the slowest group of each wave, and groups sharing a rank
+are in different waves. Dataflow: each rank runs its groups one after another, each paying o
+plus its micro-batches, so S >= o + any rank's busy time, and two groups on one rank take at
+least 2 o + both. So the bound holds under both, with no ``timing`` argument.
 
 DESIGN.md's first draft charged ceil(tokens / (W * capacity)) whole waves; that is not a bound when
 a group may run several micro-batches in one wave, so the fractional micro-batch form is used.

@@ -48,17 +48,23 @@ open node whose fixings agree with P, with T = S - o):
 
 - y = P's sizes (one per sequence); n[c] = the fractional count its tokens need, which is at most
   P's real count N[c] (each P micro-batch holds at most c C padded tokens: memory);
-- P has waves with levels M_w (slowest group) and S = sum_w (M_w + o) >= sum_w M_w + o, so T =
-  S - o >= sum_w M_w. A sequence's micro-batch lies inside one wave: T >= its time >= alone
-  (the protocol: adding sequences never makes a micro-batch faster);
-- every rank's busy time is at most sum_w M_w <= T. Busy time sums, over the rank's micro-batches,
-  ``microbatch_seconds >= F[c] + sum r / c`` (protocol contract 2), so the ranks' total is at least
-  sum r + sum_c c F[c] N[c] (area). With U <= W ranks busy and k >= U micro-batch-rank slots, the
-  busiest rank has at least (sum r + extra + F[1] max(U, k)) / U >= (sum r + extra) / W + F[1]
-  (active), where extra = sum_c c (F[c] - F[1]) n[c] and F[c] >= F[1];
+- two facts carry every row below under both timings (``dyncp.cost_model.evaluate``). (F1) a
+  group of P lasts at least o + its micro-batches' seconds: barrier, its wave lasts its level
+  M_w >= them plus o; dataflow, it takes o plus them. (F2) a rank that takes part in k >= 1
+  groups is busy (micro-batch seconds, overheads excluded) for at most S - k o <= S - o:
+  barrier, S = sum_w (M_w + o) and the rank is busy at most M_w in each wave; dataflow, it runs
+  its groups one after another, each o plus its micro-batches. So with T = S - o, T >= a
+  sequence's micro-batch time >= alone (F1; the protocol: adding sequences never makes a
+  micro-batch faster);
+- every rank's busy time is at most T (F2; an idle rank's is 0). Busy time sums, over the
+  rank's micro-batches, ``microbatch_seconds >= F[c] + sum r / c`` (protocol contract 2), so
+  the ranks' total is at least sum r + sum_c c F[c] N[c] (area). With U <= W ranks busy and
+  k >= U micro-batch-rank slots, the busiest rank has at least (sum r + extra + F[1] max(U, k))
+  / U >= (sum r + extra) / W + F[1] (active), where extra = sum_c c (F[c] - F[1]) n[c] and
+  F[c] >= F[1];
 - a big sequence fills more than half a micro-batch, so two never share one: their micro-batches
-  are distinct, each holds c ranks for at least ``alone``, and groups running at the same time are
-  disjoint, so these rank-seconds fit in W T (big);
+  are distinct, each keeps its c ranks busy for at least ``alone``, and the ranks' busy time is
+  at most W T (F2), so these rank-seconds fit in W T (big);
 - LB0 is a valid bound (its own proof) and S >= LB0;
 - (exists, spill, count) speak of P as it is, wherever P runs the fixed sequences: with m[c] =
   the largest of the three right-hand sides of (exists), m[c] <= N[c], since P has a micro-batch
@@ -86,16 +92,19 @@ open node whose fixings agree with P, with T = S - o):
   whose node is feasible. So the least open value is at most S.
 
 Any menu (``dyncp.menu``): c ranges over ``topology.group_sizes`` and the only use of where groups
-sit is that groups running at once hold disjoint ranks, at most W in a wave. Neither needs sizes
+sit is that groups running at once hold disjoint ranks, at most W in a wave (dataflow: a rank
+runs one group at a time, any ranks per group). Neither needs sizes
 that are powers of two, nor aligned blocks; the placement rules only remove plans, so the bound
 holds for every menu (tests/test_lp_bound_exact.py checks it against the exhaustive optimum on
 menus of 3, 5, 6 and 12).
 
 The ``TOP`` longest (by least time alone) free sequences are branched on first, whatever the LP
 does with them. A node that fixes the sizes of a set H of them (each h at size c_h, time alone
-a_h, rank-seconds r_h) also gets the wave-holding bound of H: the least, over every way a plan
-can lay H out, of what that layout costs. A layout is a partition of H into groups (one size
-each), and of the groups into waves (sizes summing to at most W). In a plan P with that layout:
+a_h, rank-seconds r_h) also gets the holding bound of H: the least, over every way a plan can lay
+H out, of what that layout costs. It depends on the timing.
+
+Wave-holding (``timing="barrier"``). A layout is a partition of H into groups (one size each),
+and of the groups into waves (sizes summing to at most W). In a plan P with that layout:
 
 - a group g spends at least t_g in its wave: the cheapest split of its sequences into
   micro-batches that fit (c C tokens), each at least its contract-1 seconds (one alone: a_h);
@@ -122,20 +131,57 @@ P has one layout of H, so S - o is at least the least layout value. The node's v
 larger of its LP's and this; ``TOP`` = 2 is the pair bound (two groups in one wave, or the two
 one after the other).
 
+Dataflow holding (``timing="dataflow"``, the default). Under dataflow no group waits for a wave
+to end, so a group's ranks are not held for its wave's level (they start their next group as
+soon as it is over) and overheads are paid per group, not per wave: the barrier layout value
+above can exceed a dataflow plan (tests/test_lp_bound_exact.py builds one). A layout is a
+partition of H into groups (one size each); in a plan P with that layout:
+
+- group g lasts at least o + t_g (F1; t_g as above) on c_g ranks, each of which runs it apart
+  from its other groups (one after another), and it starts when its last member is free. So P's
+  groups are a schedule of rigid tasks (c ranks for d seconds, any ranks, none running two at
+  once), and S >= the least makespan of H's groups alone as such tasks with d_g = o + t_g
+  (leaving out tasks and shortening them never lengthens the least makespan). With ranks
+  interchangeable, starting the tasks in the order of an optimal schedule's start times, each
+  no earlier than the one before and as soon as c ranks are free, starts each no later than
+  the optimum (the ranks busy then run tasks that are running in the optimum too), so the least
+  makespan is the least over the orders of H's groups (at most 4! here) of that list schedule;
+- busy time: W (S - o) >= the ranks' total busy time + o sum_rho (k_rho - 1)^+ (F2, rank by
+  rank), and sum_rho (k_rho - 1)^+ >= sum_g c_g - W. The micro-batches that hold H's sequences
+  in group g cost its ranks at least max(c_g t_g, c_g F[c_g] + sum_{h in g} r_h + rho_g),
+  rho_g the r of the other sequences riding in them (contract 2; contract 1 for t_g), that is
+  c_g t_g + max(0, rho_g - X_g) with X_g = c_g (t_g - F[c_g]) - sum_{h in g} r_h: the
+  wave-holding argument with L_q replaced by t_g (no level to idle to), riders, knapsacks and
+  the u_s as there.
+
+The layout's value is max(that makespan - o, (sum_g c_g t_g + o (sum_g c_g - W)^+ + sum_{s not in
+H} u_s - saved) / W); P has one layout, so S - o is at least the least value.
+
 So the reported value is at most S for every plan. It is not GLOP's objective but the Lagrangian
 bound of its dual solution evaluated in float64 over explicit variable boxes (each containing
 the point above: T <= the serial plan's seconds, n[c] <= all tokens at c, m[c] <= that plus the
 number of free sequences, z <= the fixed tokens / C), valid for any multipliers, so solver
 tolerances cannot make the bound too high. If GLOP fails, LB0 is returned.
 
+``timing="barrier"`` gives the bound of the barrier objective (bit for bit what it was before
+dataflow); ``"dataflow"`` one that holds for both (dataflow is never slower than barrier on a
+plan): the holding part differs, and the dataflow bound is then raised to the rounding bound of
+``dyncp.planner.rounding`` (valid under both by F1 and F2; left out of the barrier bound only to
+keep it as it was). Every other part holds under both, by F1 and F2: the LP rows, the closed
+form LB0 (``dyncp.planner.bound``) and each node's closed form. The reported value is never
+below LB0.
+
 Cost: about 5-25 ms per 512-sequence step here (build + one to six solves, and up to a few
-hundred layouts of the ``TOP`` = 4 longest sequences per distinct set of their sizes); the
-simulator computes it every step; the plan service may skip it (``Planner(bound="simple")``).
+hundred layouts of the ``TOP`` = 4 longest sequences per distinct set of their sizes; the
+rounding bound adds a few milliseconds: where the LP is tight its first check fails and it
+stops); the simulator computes it every step; the plan service may skip it
+(``Planner(bound="simple")``).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,9 +190,11 @@ import numpy as np
 import scipy.sparse as sp
 from ortools.linear_solver.python import model_builder as mb
 
+from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
 from dyncp.planner.bound import lower_bound, min_cp_sizes
+from dyncp.planner.rounding import ROUNDINGS, rounding_bound
 
 __all__ = ["LpBound", "lp_lower_bound", "MAX_SOLVES"]
 
@@ -183,8 +231,11 @@ def lp_lower_bound(
     *,
     simple: float | None = None,
     max_solves: int = MAX_SOLVES,
+    timing: str = "dataflow",
 ) -> LpBound:
-    """Seconds no valid plan of ``lengths`` on ``topology`` beats under ``model`` (see module)."""
+    """Seconds no valid plan of ``lengths`` on ``topology`` beats under ``model``, timed as
+    ``timing`` (``dyncp.cost_model.evaluate.TIMINGS``; see the module docstring)."""
+    check_timing(timing)
     start = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
     lb0 = lower_bound(lengths, topology, model) if simple is None else float(simple)
@@ -206,6 +257,7 @@ def lp_lower_bound(
             pad[k, ok] = CostModel.padded(c, lengths[ok])
     fixed = np.asarray([model.fixed_seconds(c) for c in sizes])
     one = sizes.index(1) if 1 in sizes else None
+    simple0 = lb0
     if one is not None:
         short = (m == 1) & (r[one] <= r.min(axis=0)) & (alone[one] + wo <= lb0)
     else:
@@ -309,7 +361,9 @@ def lp_lower_bound(
             return 0.0
         if key not in held_cache:
             items = [(int(pi[q]), int(pk[q]), float(ya[q]), float(yr[q])) for _, q in key]
-            held_cache[key] = _held_value(items, riders, model, lengths, (sizes, w, cap, fixed, wo))
+            held_cache[key] = _held_value(
+                items, riders, model, lengths, (sizes, w, cap, fixed, wo), timing=timing
+            )
         return held_cache[key] + wo
 
     def closed(fix: dict[int, int]) -> float:
@@ -359,7 +413,7 @@ def lp_lower_bound(
             got, y, status = solve(fix)
             solves += 1
             if np.isnan(got):  # GLOP failed: fall back to the closed form
-                return LpBound(lb0, lb0, status, nf, time.perf_counter() - start, solves)
+                return LpBound(lb0, simple0, status, nf, time.perf_counter() - start, solves)
             tick += 1
             heapq.heappush(heap, (max(value, got), tick, fix, y, True))
             stalled = stalled + 1 if solves > 1 and heap[0][0] <= value * (1 + 1e-9) else 0
@@ -374,8 +428,59 @@ def lp_lower_bound(
             heapq.heappush(heap, (max(value, closed(child)), tick, child, None, False))
     best = heap[0][0] if heap else np.inf
     if not np.isfinite(best):
-        return LpBound(lb0, lb0, "INFEASIBLE", nf, time.perf_counter() - start, solves)
-    return LpBound(max(best, lb0), lb0, name, nf, time.perf_counter() - start, solves)
+        best = lb0
+        name = "INFEASIBLE"
+    best = max(best, lb0)
+    if timing == "dataflow":  # barrier keeps its bound as it was, bit for bit
+        best = _rounded(best, m, r, alone, pad, fixed, one, lengths, topology, wo)
+    return LpBound(best, simple0, name, nf, time.perf_counter() - start, solves)
+
+
+def _rounded(
+    bound: float,
+    m: np.ndarray,
+    r: np.ndarray,
+    alone: np.ndarray,
+    pad: np.ndarray,
+    fixed: np.ndarray,
+    one: int | None,
+    lengths: np.ndarray,
+    topology: Topology,
+    wo: float,
+) -> float:
+    """``bound`` raised to the rounding bound (``dyncp.planner.rounding``) where that is
+    higher. Sequences of minimum size 1, cheapest at size 1 and at most a quarter of
+    ``bound`` - o alone at size 1 (no rounding counts them there) enter as their busy time at
+    size 1, their least: r is least there, F[1] is the least F (contract 4), padding is least
+    there."""
+    low = bound - wo
+    keep = np.ones(len(lengths), dtype=bool)
+    kw: dict = {}
+    if one is not None:
+        left = (m == 1) & (r[one] <= r.min(axis=0)) & (alone[one] * (max(ROUNDINGS) + 1) <= low)
+        if left.any():
+            kw = {
+                "other_busy": float(
+                    (r[one, left] + fixed[one] * pad[one, left] / topology.capacity).sum()
+                ),
+                "other_r": r[:, left].min(axis=1),
+                "other_pad": pad[:, left].min(axis=1),
+            }
+        keep = ~left
+    if not keep.any():
+        return bound
+    t = rounding_bound(
+        sizes=np.asarray(topology.group_sizes),
+        alone=alone[:, keep],
+        r=r[:, keep],
+        pad=pad[:, keep],
+        fixed=fixed,
+        world=topology.world,
+        capacity=topology.capacity,
+        low=low,
+        **kw,
+    )
+    return max(bound, t + wo)
 
 
 def _lagrangian(
@@ -469,10 +574,12 @@ def _held_value(
     model: CostModel,
     lengths: np.ndarray,
     tables: tuple[list[int], int, int, np.ndarray, float],
+    *,
+    timing: str = "barrier",
 ) -> float:
     """Seconds (without one wave overhead) no plan beats that runs each of ``items`` (sequence,
     size row, time alone, r) at its size, however it lays them out in groups and waves (module
-    docstring, "the longest sequences' waves").
+    docstring, "wave-holding" for ``"barrier"``, "dataflow holding" for ``"dataflow"``).
 
     tables: the allowed sizes, W, C, the fixed seconds per size, the wave overhead.
     """
@@ -484,6 +591,9 @@ def _held_value(
             continue  # a group has one size
         times = [_group_seconds(g, sizes[g[0][1]], cap, model, lengths) for g in groups]
         if not all(np.isfinite(times)):
+            continue
+        if timing == "dataflow":
+            best = min(best, _dataflow_layout(groups, times, riders, held, tables))
             continue
         for waves in _partitions(list(range(len(groups)))):
             if any(sum(sizes[groups[g][0][1]] for g in q) > world for q in waves):
@@ -507,6 +617,76 @@ def _held_value(
             value = (len(waves) - 1) * wo + max(span, (hold + rest - saved) / world)
             best = min(best, value)
     return best
+
+
+def _dataflow_layout(
+    groups: list[list[tuple[int, int, float, float]]],
+    times: list[float],
+    riders: _Riders,
+    held: tuple[int, ...],
+    tables: tuple[list[int], int, int, np.ndarray, float],
+) -> float:
+    """The dataflow value of one grouping of the held sequences (module docstring, "dataflow
+    holding"): the larger of the least makespan of the groups as rigid tasks (size, wave
+    overhead + least seconds) minus one overhead, and the ranks' busy time with the riders'
+    knapsacks, each group charged its own seconds (no wave level to idle to)."""
+    sizes, world, _, fixed, wo = tables
+    rows = [g[0][1] for g in groups]
+    tasks = [(sizes[k], wo + t) for k, t in zip(rows, times, strict=True)]
+    rooms = [
+        max(sizes[k] * (t - fixed[k]) - sum(x[3] for x in g), 0.0)
+        for k, t, g in zip(rows, times, groups, strict=True)
+    ]
+    busy = sum(sizes[k] * t for k, t in zip(rows, times, strict=True))
+    # Every rank pays the overhead once per group it is in; one is the caller's.
+    busy += wo * max(sum(sizes[k] for k in rows) - world, 0)
+    every = tuple(sorted(set(rows)))
+    saved = min(
+        sum(riders.best((k,), every, held, x) for k, x in zip(rows, rooms, strict=True)),
+        riders.best(every, every, held, sum(rooms)),
+    )
+    rest = riders.rest(every, held)
+    return max(_rigid_makespan(tasks, world) - wo, (busy + rest - saved) / world)
+
+
+def _rigid_makespan(tasks: list[tuple[int, float]], world: int) -> float:
+    """Least makespan of non-preemptive rigid tasks (ranks, seconds) on ``world`` ranks, any
+    ranks per task: the best over task orders of the schedule that starts each task, in that
+    order, no earlier than the previous one, as soon as enough ranks are free. Such a schedule
+    in the order of some optimal schedule's start times starts every task no later than it
+    does (by induction: the ranks busy at that task's start are busy in the optimum too), so
+    the least over orders is the optimum."""
+    best = np.inf
+    for order in _orders(len(tasks)):
+        free = [(0.0, world)]  # (time a rank becomes free, how many), sorted by time
+        start = end = 0.0
+        for t in order:
+            need, seconds = tasks[t]
+            left, at = need, 0.0
+            for time_free, count in free:
+                at = time_free
+                left -= count
+                if left <= 0:
+                    break
+            start = max(start, at)
+            done = start + seconds
+            end = max(end, done)
+            # The ``need`` earliest-free ranks now become free at ``done``.
+            out, left = [], need
+            for time_free, count in free:
+                take = min(left, count)
+                left -= take
+                if count > take:
+                    out.append((time_free, count - take))
+            out.append((done, need))
+            free = sorted(out)
+        best = min(best, end)
+    return best
+
+
+def _orders(n: int) -> list[tuple[int, ...]]:
+    """Every order of ``n`` items."""
+    return list(itertools.permutations(range(n)))
 
 
 def _group_seconds(
