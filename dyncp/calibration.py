@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dyncp.cost_model.calibrate import CalibrationResult, fit_profile
-from dyncp.cost_model.level import regime_level, scaled_profile
+from dyncp.cost_model.level import biweight_shift, regime_level, scaled_profile
 from dyncp.cost_model.measurements import (
     BufferedMeasurement,
     CalibrationError,
@@ -526,12 +526,13 @@ class OnlineCalibrator:
                     centred += (ref - np.median(ref)).tolist()
             if len(diffs) < 8:
                 continue
-            if self.follow == "level":  # the noise, not how differently kinds are priced
-                spread = 1.4826 * float(np.median(np.abs(centred)))
+            if self.follow == "level":  # biweight locations, the spread within each kind
+                signed, error = biweight_shift(np.array(diffs), np.array(centred))
+                shift = abs(signed)
             else:
                 spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))
-            error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
-            shift = abs(float(np.median(diffs)))
+                error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
+                shift = abs(float(np.median(diffs)))
             if shift > CHANGE_MIN and shift > CHANGE_Z * error:
                 if self.follow == "level":
                     return self._change_start(window, residuals, keys, steps)

@@ -13,7 +13,12 @@ from bench_modules import load_bench
 
 from dyncp.calibration import OnlineCalibrator
 from dyncp.cost_model import CostModel, load_profile
-from dyncp.cost_model.level import biweight_location, regime_level, scaled_profile
+from dyncp.cost_model.level import (
+    biweight_location,
+    biweight_shift,
+    regime_level,
+    scaled_profile,
+)
 from dyncp.cost_model.measurements import CalibrationError, Measurement
 from dyncp.cost_model.schema import bundled_profiles
 
@@ -71,6 +76,24 @@ def test_the_level_estimate_is_unbiased_under_stragglers_and_near_the_mean_bound
     assert abs(est.mean() - math.log(1.4)) < 0.01
     assert est.std() < 1.25 * 0.3 / math.sqrt(0.8 * 64)
     assert biweight_location(np.array([0.0, 0.1, -0.1, 5.0]), 0.1) == pytest.approx(0, abs=0.01)
+
+
+def test_the_change_test_statistic_is_calibrated_and_sees_1_4x_in_two_steps():
+    """Simulated: without a shift, |shift| / error stays under 4 in all 400 draws of 32 new
+    against 600 old measurements and its standard deviation is about 1 (the error is honest);
+    a 1.4x shift passes 4 errors in three draws of four or more (80% here; a test on medians
+    needs a shift of about 0.35 in two steps, above log 1.4 = 0.34: it passes in 39%)."""
+    rng = np.random.default_rng(11)
+    null, seen = [], 0
+    for _ in range(400):
+        old = _noisy(rng, 600)
+        shift, error = biweight_shift(_noisy(rng, 32), old)
+        null.append(shift / error)
+        shift, error = biweight_shift(_noisy(rng, 32) + math.log(1.4), old)
+        seen += shift > 4 * error
+    null = np.array(null)
+    assert np.abs(null).max() < 4 and 0.8 < null.std() < 1.25
+    assert seen >= 300
 
 
 def test_a_step_change_under_heavy_noise_is_followed_within_eight_steps():
