@@ -78,6 +78,10 @@ CHANGE_WINDOWS, CHANGE_MIN, CHANGE_Z = (2, 4), math.log(1.05), 4.0
 #: noise with 20% stragglers where 2 and 4 steps may not (4 standard errors of a median of 32
 #: measurements are about 0.36 in log there, above log 1.4 = 0.34).
 LEVEL_WINDOWS = (2, 4, 8)
+#: With ``follow="level"``, the fewest older measurements of a kind its new ones are compared
+#: with; the error of their median is counted in the test (with 4 of a kind, at the start of a
+#: run, a test that left it out saw changes that were not there).
+LEVEL_MIN_REFERENCE = 16
 #: Fewest held-out measurements a candidate is judged on.
 MIN_HOLDOUT = 4
 #: How a detected change is followed (``OnlineCalibrator(follow=...)``).
@@ -519,15 +523,22 @@ class OnlineCalibrator:
             r_old, k_old = residuals[old], keys[old]
             diffs: list[float] = []
             centred: list[float] = []
+            variance = 0.0  # of the per-kind medians the new residuals are centred on
+            fewest = LEVEL_MIN_REFERENCE if self.follow == "level" else 4
             for key in sorted(set(k_old.tolist())):
                 ref = r_old[k_old == key]
-                if len(ref) >= 4:
-                    diffs += (residuals[new & (keys == key)] - np.median(ref)).tolist()
+                if len(ref) >= fewest:
+                    fresh = residuals[new & (keys == key)]
+                    diffs += (fresh - np.median(ref)).tolist()
                     centred += (ref - np.median(ref)).tolist()
+                    variance += len(fresh) ** 2 * 1.5708 / len(ref)
             if len(diffs) < 8:
                 continue
             if self.follow == "level":  # biweight locations, the spread within each kind
-                signed, error = biweight_shift(np.array(diffs), np.array(centred))
+                variance /= len(diffs) ** 2
+                signed, error = biweight_shift(
+                    np.array(diffs), np.array(centred), reference_variance=variance
+                )
                 shift = abs(signed)
             else:
                 spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))

@@ -119,7 +119,9 @@ def biweight_location(x: np.ndarray, spread: float, *, iterations: int = 20) -> 
     return mu
 
 
-def biweight_shift(new: np.ndarray, old: np.ndarray) -> tuple[float, float]:
+def biweight_shift(
+    new: np.ndarray, old: np.ndarray, *, reference_variance: float = 0.0
+) -> tuple[float, float]:
     """(shift, standard error): how far the biweight location of ``new`` lies from that of
     ``old``, both at ``old``'s robust spread, and the standard error of that difference.
 
@@ -128,6 +130,10 @@ def biweight_shift(new: np.ndarray, old: np.ndarray) -> tuple[float, float]:
     where a median's is 1.25 x the spread it sees, inflated by the stragglers. A change test on
     it sees a 1.4x change in two steps of 16 measurements at 4 standard errors, where a test on
     medians needs three or four.
+
+    ``reference_variance``: the variance, in squared spreads, that ``new`` carries from how it
+    was centred (each new residual less a per-kind median of older ones: 1.57 / n per kind of
+    n, by the share of ``new`` of that kind), added to the error.
     """
     spread = max(1.4826 * float(np.median(np.abs(old - np.median(old)))), 1e-6)
     base = biweight_location(old, spread)
@@ -138,7 +144,9 @@ def biweight_shift(new: np.ndarray, old: np.ndarray) -> tuple[float, float]:
     psi = np.where(inside, u * (1.0 - u * u) ** 2, 0.0)
     slope = np.where(inside, (1.0 - u * u) * (1.0 - 5.0 * u * u), 0.0)
     factor = math.sqrt(float(np.mean(psi**2))) / max(float(np.mean(slope)), 1e-6)
-    error = c * factor * math.sqrt(1.0 / len(new) + 1.0 / len(old))
+    error = math.sqrt(
+        (c * factor) ** 2 * (1.0 / len(new) + 1.0 / len(old)) + spread**2 * reference_variance
+    )
     return shift, error
 
 
