@@ -31,6 +31,7 @@ never saw.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--calibrate", type=int, default=0, help="calibration packs (0: none)")
+    p.add_argument("--save", default=None, help="write the packs and raw times here (JSON)")
     args = p.parse_args(argv)
     extra = calibration_packs(args.calibrate) if args.calibrate else []
     results = run_gloo(
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         timeout=args.timeout,
     )
     times = results[0]
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump({"packs": args.packs, "extra": extra, "times": times}, fh)
     measured = [
         {name: statistics.median(row[name]) for name in LAYOUTS} for row in times[: len(args.packs)]
     ]
