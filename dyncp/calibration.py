@@ -42,7 +42,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dyncp.cost_model.calibrate import CalibrationResult, fit_profile
-from dyncp.cost_model.level import biweight_shift, regime_level, scaled_profile
+from dyncp.cost_model.level import (
+    biweight_location,
+    biweight_shift,
+    regime_level,
+    scaled_profile,
+)
 from dyncp.cost_model.measurements import (
     BufferedMeasurement,
     CalibrationError,
@@ -429,6 +434,7 @@ class OnlineCalibrator:
         """Re-estimate each older regime's level against the current one; within
         ``FOLLOW_STEPS`` of the last change, adopt the current model scaled to the new level
         when it moved by ``FOLLOW_MIN`` or more (the new version, or None)."""
+        self._relocate()
         entries = self.buffer.entries()
         regimes = np.array([self.buffer.regime(e) for e in entries])
         measured = -self._residuals(entries)  # log(measured / predicted)
@@ -555,31 +561,63 @@ class OnlineCalibrator:
     ) -> int:
         """How many newest steps belong to the new regime, a change having been seen in the
         newest ``window``: a long window sees a change late, and a short one may see it a step
-        or two after it began. Each step from two before the window on gets its median
-        difference from the reference (the steps before those, per kind); the change point is
-        the split of those steps that fits them best (least absolute deviations) as "no shift"
-        before it and one shift (their median) from it on."""
-        first = self.steps - window - 1
+        or two after it began. The change point is :meth:`_split` from two steps before the
+        window on."""
+        return self.steps + 1 - self._split(self.steps - window - 1, residuals, keys, steps)
+
+    def _split(self, first: int, residuals: np.ndarray, keys: np.ndarray, steps: np.ndarray) -> int:
+        """The step at which a change began, between ``first`` and now: each step from
+        ``first`` on gets its difference from the reference (the measurements before ``first``,
+        per kind; a biweight location, the stragglers' pull taken off), and the change point
+        is the split of those steps that fits them best (least absolute deviations) as "no
+        shift" before it and one shift (their median) from it on."""
         ref = steps < first
         reference = {}
+        centred: list[float] = []
         for key in np.unique(keys[ref]).tolist():
             sel = residuals[ref & (keys == key)]
             if len(sel) >= 4:
                 reference[key] = float(np.median(sel))
+                centred += (sel - reference[key]).tolist()
+        if not reference:
+            return first + 2
+        spread = 1.4826 * float(np.median(np.abs(centred)))
+        base = biweight_location(np.array(centred), spread)
         shifts: list[float] = []
         for step in range(first, self.steps + 1):
             sel = steps == step
             d = [r - reference[k] for r, k in zip(residuals[sel], keys[sel]) if k in reference]
-            shifts.append(float(np.median(d)) if d else 0.0)
-        if not reference:
-            return window
+            shifts.append(biweight_location(np.array(d), spread) - base if d else 0.0)
         costs = []
         for split in range(len(shifts)):
             after = np.array(shifts[split:])
             costs.append(
                 float(np.abs(shifts[:split]).sum() + np.abs(after - np.median(after)).sum())
             )
-        return len(shifts) - int(np.argmin(costs))
+        return first + int(np.argmin(costs))
+
+    def _relocate(self) -> None:
+        """Within ``FOLLOW_STEPS`` of the last change, place its change point again with every
+        step measured since (:meth:`_split` from two steps before it, on the regime it ended
+        and the current one): the first placement saw one or two steps after the change, and
+        a step put on the wrong side biases the new level by 1/n of the change."""
+        points = self.buffer.change_points
+        if not points or self.steps - self._change_step >= FOLLOW_STEPS:
+            return
+        entries = [e for e in self.buffer.entries() if self.buffer.regime(e) <= 1]
+        floor = points[-2] if len(points) > 1 else 0
+        first = max(points[-1] - 2, floor + 1)
+        steps = np.array([e.step for e in entries])
+        if not ((steps < first) & (steps >= floor)).any():
+            return
+        keep = steps >= floor
+        entries = [e for e, k in zip(entries, keep) if k]
+        residuals = self._residuals(entries)
+        keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
+        start = self._split(first, residuals, keys, steps[keep])
+        if start != points[-1] and start > floor:
+            self.buffer.move_change(start)
+            self._change_step = start
 
     def refit(self) -> ModelVersion | None:
         """Fit now on what the buffer holds; the new version if adopted.

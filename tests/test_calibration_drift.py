@@ -125,3 +125,17 @@ def test_noise_alone_triggers_no_following():
 def test_follow_must_be_known():
     with pytest.raises(ValueError, match="follow"):
         OnlineCalibrator(load_profile("cpu-gloo"), ranks_per_node=4, follow="fast")
+
+
+def test_the_latest_change_point_moves_but_not_before_the_one_before_it():
+    from dyncp.cost_model.measurements import MeasurementBuffer
+
+    buf = MeasurementBuffer()
+    with pytest.raises(ValueError, match="no latest change point"):
+        buf.move_change(3)
+    buf.mark_change(5)
+    buf.mark_change(9)
+    buf.move_change(7)
+    assert buf.change_points == (5, 7)
+    with pytest.raises(ValueError, match="can move to step 5"):
+        buf.move_change(5)
