@@ -13,7 +13,12 @@ float32), forward and backward, kernel "auto". A micro-batch's time is its slowe
 
 Printed per pack: measured seconds of each layout, their ratio (ring / all-to-all), and the cost
 model's prediction of each (``CostModel.microbatch_seconds(2, lengths, heads=u)``) with its
-ratio, when this checkout's cost model prices head splits.
+ratio, when this checkout's cost model prices head splits. The measured ratio is *paired*: each
+repeat runs both layouts back to back (ABBA order), its ring / all-to-all ratio is taken, and the
+median of those ratios is printed with their interquartile range (``iqr``), so a load that
+drifts over the run scales both layouts of a pair alike and shows up as spread, not as a wrong
+ratio. ``verdict`` says whether a model's predicted ratio is within 10% of the measured median,
+and whether the difference is inside the measured spread (then the bench cannot tell).
 
 ``--calibrate N`` also runs N other packs (Wikipedia lengths, seeded, never the printed ones) in
 both layouts and as two CP-1 micro-batches (sequences dealt alternately to the two ranks: what
@@ -26,6 +31,7 @@ never saw.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -163,20 +169,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--packs", nargs="+", type=_pack, default=[[4096], [2048, 1024, 512, 300], [256] * 8]
     )
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--calibrate", type=int, default=0, help="calibration packs (0: none)")
+    p.add_argument("--save", default=None, help="write the packs and raw times here (JSON)")
     args = p.parse_args(argv)
     extra = calibration_packs(args.calibrate) if args.calibrate else []
     results = run_gloo(
-        _worker, world=WORLD, args=(args, args.packs + extra, len(args.packs)),
+        _worker,
+        world=WORLD,
+        args=(args, args.packs + extra, len(args.packs)),
         timeout=args.timeout,
     )
     times = results[0]
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump({"packs": args.packs, "extra": extra, "times": times}, fh)
     measured = [
         {name: statistics.median(row[name]) for name in LAYOUTS} for row in times[: len(args.packs)]
     ]
+    paired = [np.array(row["ring2"]) / np.array(row["a2a2"]) for row in times[: len(args.packs)]]
     predicted = _predictions(args, args.packs)
     calibrated = None
     if extra:
@@ -219,6 +232,21 @@ def main(argv: list[str] | None = None) -> None:
         if calibrated is not None and not isinstance(calibrated, str):
             c = calibrated[i]
             line += f"{c['a2a2']:>10.4f}{c['ring2']:>10.4f}{c['ring2'] / c['a2a2']:>9.3f}"
+        print(line)
+    print("paired ratio ring/a2a per repeat: median [25%, 75%]; verdict on a predicted ratio:")
+    for i, lengths in enumerate(args.packs):
+        q1, med, q3 = np.percentile(paired[i], [25, 50, 75])
+        name = ",".join(map(str, lengths))
+        name = name if len(name) <= 26 else f"{len(lengths)} seqs, {sum(lengths)} tokens"
+        line = f"  {name:<26} measured {med:.3f} [{q1:.3f}, {q3:.3f}]"
+        for label, pred in (("shipped", predicted), ("calibrated", calibrated)):
+            if pred is None or isinstance(pred, str):
+                continue
+            ratio = pred[i]["ring2"] / pred[i]["a2a2"]
+            off = ratio / med - 1.0
+            verdict = "within 10%" if abs(off) <= 0.10 else "MISSED"
+            inside = "inside" if q1 <= ratio <= q3 else "outside"
+            line += f"; {label} {ratio:.3f} ({off:+.1%}, {verdict}, {inside} the iqr)"
         print(line)
     if isinstance(predicted, str):
         print(predicted)

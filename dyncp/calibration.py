@@ -42,6 +42,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dyncp.cost_model.calibrate import CalibrationResult, fit_profile
+from dyncp.cost_model.level import (
+    biweight_location,
+    biweight_shift,
+    regime_level,
+    scaled_profile,
+)
 from dyncp.cost_model.measurements import (
     BufferedMeasurement,
     CalibrationError,
@@ -73,8 +79,21 @@ MAX_RATIO = 1e3
 #: Change detection: the newest steps compared, the smallest shift (log) acted upon, and the
 #: standard errors it must exceed.
 CHANGE_WINDOWS, CHANGE_MIN, CHANGE_Z = (2, 4), math.log(1.05), 4.0
+#: The windows with ``follow="level"``: an 8-step window sees a 1.4x change through sigma-0.3
+#: noise with 20% stragglers where 2 and 4 steps may not (4 standard errors of a median of 32
+#: measurements are about 0.36 in log there, above log 1.4 = 0.34).
+LEVEL_WINDOWS = (2, 4, 8)
+#: With ``follow="level"``, the fewest older measurements of a kind its new ones are compared
+#: with; the error of their median is counted in the test (with 4 of a kind, at the start of a
+#: run, a test that left it out saw changes that were not there).
+LEVEL_MIN_REFERENCE = 16
 #: Fewest held-out measurements a candidate is judged on.
 MIN_HOLDOUT = 4
+#: How a detected change is followed (``OnlineCalibrator(follow=...)``).
+FOLLOWS = ("level", "regimes")
+#: Steps after a detected change during which the level is re-estimated every step and written
+#: into a new version whenever it moved by ``FOLLOW_MIN`` (log) or more.
+FOLLOW_STEPS, FOLLOW_MIN = 8, 0.01
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +287,15 @@ class OnlineCalibrator:
         holdout_every: every this-many-th measurement of the current regime (by arrival) is held
             out of the candidate fit and judges it against the current model.
         detect_changes: watch for a change of the machine (see :meth:`observe`).
+        follow: how a detected change is followed. ``"level"`` (default): in two speeds. For
+            ``FOLLOW_STEPS`` steps after the change, the level of the new regime against each
+            older one is re-estimated every step (:func:`~dyncp.cost_model.level.regime_level`)
+            and, when it moved by ``FOLLOW_MIN`` or more, the current model scaled by it is
+            adopted (:func:`~dyncp.cost_model.level.scaled_profile`: one factor, learned from a
+            step or two); the regular refits fit every coefficient on all measurements, the
+            older ones rescaled to the current level at full weight. ``"regimes"``: the previous
+            behaviour, kept for comparison (``bench/calibration_bench.py --drift``): refit at
+            once, older regimes at a free level of their own and half the weight.
 
     Attributes:
         current: the adopted model version.
@@ -278,6 +306,7 @@ class OnlineCalibrator:
         failures: refits that raised (contained: counted, logged, their records dropped).
         dropped: micro-batches dropped after a failed refit.
         changes: changes of the machine detected.
+        level_versions: versions adopted by following a change's level (``follow="level"``).
         steps: steps observed.
     """
 
@@ -292,7 +321,10 @@ class OnlineCalibrator:
         min_gain: float = 0.002,
         holdout_every: int = 5,
         detect_changes: bool = True,
+        follow: str = "level",
     ) -> None:
+        if follow not in FOLLOWS:
+            raise ValueError(f"follow must be one of {FOLLOWS}, got {follow!r}")
         for name, value, low in (
             ("refit_every", refit_every, 1),
             ("min_measurements", min_measurements, 1),
@@ -309,6 +341,7 @@ class OnlineCalibrator:
         self.min_gain = min_gain
         self.holdout_every = holdout_every
         self.detect_changes = detect_changes
+        self.follow = follow
         self.current = ModelVersion(0, profile)
         self._model = self.current.model(ranks_per_node)
         self.history: list[tuple[CalibrationResult, bool]] = []
@@ -317,12 +350,19 @@ class OnlineCalibrator:
         self.failures = 0
         self.dropped = 0
         self.changes = 0
+        self.level_versions = 0
         self.refits = 0  # refits tried (history keeps the last 64 of them)
         self.steps = 0
         self._since_fit = 0
         self._fitted_step = 0  # the step of the last refit that ran to the end
         self._cache: dict[int, float] = {}  # log residual by arrival number, current version
         self._cache_version = 0
+        # follow="level": log(current level / level of regime k) by older regime k (None: no
+        # group kind in common, so it keeps a free level of its own in the fit), the level of
+        # regime 1 that the current model embodies, and the step the current regime began.
+        self._levels: dict[int, float | None] = {}
+        self._baked = 0.0
+        self._change_step = 0
 
     @property
     def last(self) -> CalibrationResult | None:
@@ -336,8 +376,10 @@ class OnlineCalibrator:
             predicted = self._model.microbatch_seconds(m.cp, m.lengths, heads=m.heads)
         except (ValueError, ArithmeticError):
             return False
-        return math.isfinite(predicted) and predicted > 0 and (
-            1.0 / MAX_RATIO <= m.seconds / predicted <= MAX_RATIO
+        return (
+            math.isfinite(predicted)
+            and predicted > 0
+            and (1.0 / MAX_RATIO <= m.seconds / predicted <= MAX_RATIO)
         )
 
     def observe(
@@ -372,9 +414,58 @@ class OnlineCalibrator:
         if changed:
             self.changes += 1
             self.buffer.mark_change(self.steps - changed + 1)
-        if not changed and self._since_fit < self.refit_every:
+            self._change_step = self.steps - changed + 1
+            self._baked = 0.0  # the current model prices the regime just ended
+        adopted = None
+        if self.follow == "level":
+            if self.buffer.change_points:
+                try:
+                    adopted = self._follow_level()
+                except Exception:  # noqa: BLE001 - nothing measured may stop calibration
+                    log.exception("following the level failed; the regular refits go on")
+                    self.failures += 1
+            if self._since_fit < self.refit_every:
+                return adopted
+        elif not changed and self._since_fit < self.refit_every:
             return None
-        return self.refit()
+        return self.refit() or adopted
+
+    def _follow_level(self) -> ModelVersion | None:
+        """Re-estimate each older regime's level against the current one; within
+        ``FOLLOW_STEPS`` of the last change, adopt the current model scaled to the new level
+        when it moved by ``FOLLOW_MIN`` or more (the new version, or None)."""
+        self._relocate()
+        entries = self.buffer.entries()
+        regimes = np.array([self.buffer.regime(e) for e in entries])
+        measured = -self._residuals(entries)  # log(measured / predicted)
+        keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
+        now = regimes == 0
+        levels: dict[int, float | None] = {}
+        for k in sorted(set(regimes.tolist()) - {0}):
+            old = regimes == k
+            level, n = regime_level(measured[now], keys[now], measured[old], keys[old])
+            levels[k] = level if n else None
+        self._levels = levels
+        if self.steps - self._change_step >= FOLLOW_STEPS or levels.get(1) is None:
+            return None
+        move = levels[1] - self._baked
+        if abs(move) < FOLLOW_MIN:
+            return None
+        recent = [e.measurement for e, n in zip(entries, now) if n][-8:]
+        profile = scaled_profile(
+            self.current.profile,
+            math.exp(move),
+            ranks_per_node=self.ranks_per_node,
+            check=recent,
+        )
+        self._adopt(profile)
+        self._baked = levels[1]
+        self.level_versions += 1
+        return self.current
+
+    def _adopt(self, profile: Profile) -> None:
+        self.current = ModelVersion(self.current.version + 1, profile)
+        self._model = self.current.model(self.ranks_per_node)
 
     def observe_record(self, raw: bytes) -> ModelVersion | None:
         """:meth:`observe` an encoded record; a malformed one is counted and ignored, and so is
@@ -418,31 +509,115 @@ class OnlineCalibrator:
         ``CHANGE_Z`` standard errors of a median (1.2533 x 1.4826 x MAD / sqrt(n)), so noise
         alone triggers it about once in 10,000 steps.
         """
-        entries = [e for e in self.buffer.entries() if self.buffer.regime(e) == 0]
+        entries = self.buffer.entries()
+        regimes = [self.buffer.regime(e) for e in entries]
+        if self.follow == "level":  # older regimes count, rescaled to the current level
+            shift = [0.0 if g == 0 else self._levels.get(g) for g in regimes]
+        else:
+            shift = [0.0 if g == 0 else None for g in regimes]
+        entries = [e for e, d in zip(entries, shift) if d is not None]
         if not entries:
             return 0
-        residuals = self._residuals(entries)
+        residuals = self._residuals(entries) - np.array([d for d in shift if d is not None])
         keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
         steps = np.array([e.step for e in entries])
-        for window in CHANGE_WINDOWS:
+        for window in LEVEL_WINDOWS if self.follow == "level" else CHANGE_WINDOWS:
             new = steps > self.steps - window
             old = ~new
             if new.sum() < 8 or old.sum() < 16:
                 continue
             r_old, k_old = residuals[old], keys[old]
             diffs: list[float] = []
+            centred: list[float] = []
+            variance = 0.0  # of the per-kind medians the new residuals are centred on
+            fewest = LEVEL_MIN_REFERENCE if self.follow == "level" else 4
             for key in sorted(set(k_old.tolist())):
                 ref = r_old[k_old == key]
-                if len(ref) >= 4:
-                    diffs += (residuals[new & (keys == key)] - np.median(ref)).tolist()
+                if len(ref) >= fewest:
+                    fresh = residuals[new & (keys == key)]
+                    diffs += (fresh - np.median(ref)).tolist()
+                    centred += (ref - np.median(ref)).tolist()
+                    variance += len(fresh) ** 2 * 1.5708 / len(ref)
             if len(diffs) < 8:
                 continue
-            spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))
-            error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
-            shift = abs(float(np.median(diffs)))
+            if self.follow == "level":  # biweight locations, the spread within each kind
+                variance /= len(diffs) ** 2
+                signed, error = biweight_shift(
+                    np.array(diffs), np.array(centred), reference_variance=variance
+                )
+                shift = abs(signed)
+            else:
+                spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))
+                error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
+                shift = abs(float(np.median(diffs)))
             if shift > CHANGE_MIN and shift > CHANGE_Z * error:
+                if self.follow == "level":
+                    return self._change_start(window, residuals, keys, steps)
                 return window
         return 0
+
+    def _change_start(
+        self, window: int, residuals: np.ndarray, keys: np.ndarray, steps: np.ndarray
+    ) -> int:
+        """How many newest steps belong to the new regime, a change having been seen in the
+        newest ``window``: a long window sees a change late, and a short one may see it a step
+        or two after it began. The change point is :meth:`_split` from two steps before the
+        window on."""
+        return self.steps + 1 - self._split(self.steps - window - 1, residuals, keys, steps)
+
+    def _split(self, first: int, residuals: np.ndarray, keys: np.ndarray, steps: np.ndarray) -> int:
+        """The step at which a change began, between ``first`` and now: each step from
+        ``first`` on gets its difference from the reference (the measurements before ``first``,
+        per kind; a biweight location, the stragglers' pull taken off), and the change point
+        is the split of those steps that fits them best (least absolute deviations) as "no
+        shift" before it and one shift (their median) from it on."""
+        ref = steps < first
+        reference = {}
+        centred: list[float] = []
+        for key in np.unique(keys[ref]).tolist():
+            sel = residuals[ref & (keys == key)]
+            if len(sel) >= 4:
+                reference[key] = float(np.median(sel))
+                centred += (sel - reference[key]).tolist()
+        if not reference:
+            return first + 2
+        spread = 1.4826 * float(np.median(np.abs(centred)))
+        base = biweight_location(np.array(centred), spread)
+        shifts: list[float] = []
+        for step in range(first, self.steps + 1):
+            sel = steps == step
+            d = [r - reference[k] for r, k in zip(residuals[sel], keys[sel]) if k in reference]
+            shifts.append(biweight_location(np.array(d), spread) - base if d else 0.0)
+        costs = []
+        for split in range(len(shifts)):
+            after = np.array(shifts[split:])
+            costs.append(
+                float(np.abs(shifts[:split]).sum() + np.abs(after - np.median(after)).sum())
+            )
+        return first + int(np.argmin(costs))
+
+    def _relocate(self) -> None:
+        """Within ``FOLLOW_STEPS`` of the last change, place its change point again with every
+        step measured since (:meth:`_split` from two steps before it, on the regime it ended
+        and the current one): the first placement saw one or two steps after the change, and
+        a step put on the wrong side biases the new level by 1/n of the change."""
+        points = self.buffer.change_points
+        if not points or self.steps - self._change_step >= FOLLOW_STEPS:
+            return
+        entries = [e for e in self.buffer.entries() if self.buffer.regime(e) <= 1]
+        floor = points[-2] if len(points) > 1 else 0
+        first = max(points[-1] - 2, floor + 1)
+        steps = np.array([e.step for e in entries])
+        if not ((steps < first) & (steps >= floor)).any():
+            return
+        keep = steps >= floor
+        entries = [e for e, k in zip(entries, keep) if k]
+        residuals = self._residuals(entries)
+        keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
+        start = self._split(first, residuals, keys, steps[keep])
+        if start != points[-1] and start > floor:
+            self.buffer.move_change(start)
+            self._change_step = start
 
     def refit(self) -> ModelVersion | None:
         """Fit now on what the buffer holds; the new version if adopted.
@@ -474,6 +649,8 @@ class OnlineCalibrator:
             return None
 
     def _refit(self) -> ModelVersion | None:
+        if self.follow == "level":
+            return self._refit_level()
         entries = self.buffer.entries()
         regimes = [self.buffer.regime(e) for e in entries]
         held = [
@@ -484,6 +661,38 @@ class OnlineCalibrator:
         holdout = [e.measurement for e, out in held if out]
         if regimes.count(0) < self.min_measurements or len(holdout) < MIN_HOLDOUT:
             return None
+        return self._judge(train, holdout)
+
+    def _refit_level(self) -> ModelVersion | None:
+        """follow="level": every measurement in the fit, the older ones rescaled to the
+        current level (a regime with no group kind in common keeps a free level), and every
+        ``holdout_every``-th held out, whatever its regime."""
+        train: list[tuple[Measurement, int]] = []
+        holdout: list[Measurement] = []
+        for e in self.buffer.entries():
+            g = self.buffer.regime(e)
+            level = 0.0 if g == 0 else self._levels.get(g)
+            m = e.measurement
+            if level:
+                m = Measurement(m.cp, m.lengths, m.seconds * math.exp(level), m.heads)
+            if e.order % self.holdout_every == self.holdout_every - 1:
+                if level is not None:
+                    holdout.append(m)
+            else:
+                train.append((m, 0 if level is not None else g))
+        if len(train) + len(holdout) < self.min_measurements or len(holdout) < MIN_HOLDOUT:
+            return None
+        baked = self._levels.get(1) or 0.0
+        adopted = self._judge(train, holdout)
+        if adopted is not None:
+            self._baked = baked
+        return adopted
+
+    def _judge(
+        self, train: list[tuple[Measurement, int]], holdout: list[Measurement]
+    ) -> ModelVersion | None:
+        """Fit a candidate on ``train`` (measurement, regime); adopt it if ``holdout`` does
+        not show it worse."""
         waves = self.buffer.waves()
         common = {"ranks_per_node": self.ranks_per_node, "waves": waves}
         candidate = fit_profile(
@@ -508,8 +717,7 @@ class OnlineCalibrator:
         self.history = [*self.history[-63:], (result, adopted)]
         if not adopted:
             return None
-        self.current = ModelVersion(self.current.version + 1, result.profile)
-        self._model = self.current.model(self.ranks_per_node)
+        self._adopt(result.profile)
         return self.current
 
     def save(self, path: str | Path) -> Path:

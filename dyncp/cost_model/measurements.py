@@ -83,9 +83,7 @@ class Measurement:
         set_(self, "cp", _integer("measurement cp", self.cp, 1))
         set_(self, "heads", _integer("measurement heads", self.heads, 1))
         if self.cp % self.heads:
-            raise CalibrationError(
-                f"measurement heads {self.heads} must divide its cp {self.cp}"
-            )
+            raise CalibrationError(f"measurement heads {self.heads} must divide its cp {self.cp}")
         raw = self.lengths
         if isinstance(raw, (str, bytes)) or not isinstance(raw, (tuple, list, np.ndarray)):
             raise CalibrationError(
@@ -179,6 +177,13 @@ class MeasurementBuffer:
         if self._changes and step <= self._changes[-1]:
             return
         self._changes.append(step)
+
+    def move_change(self, step: int) -> None:
+        """Place the latest change point at ``step`` instead (after the one before it): where
+        a change began is known better a few steps later."""
+        if not self._changes or (len(self._changes) > 1 and step <= self._changes[-2]):
+            raise ValueError(f"no latest change point that can move to step {step}")
+        self._changes[-1] = step
 
     def regime(self, entry: BufferedMeasurement) -> int:
         """0 for the current regime, k for the one k change points back."""
