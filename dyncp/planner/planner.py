@@ -32,14 +32,17 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
+from dyncp.planner.baselines import BASELINES, SECONDS_PER_SEQUENCE, BaselineCandidates
 from dyncp.planner.bound import lower_bound
+from dyncp.planner.budget import StepBudget
 from dyncp.planner.cpsat import CpSatImprover
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
@@ -68,6 +71,15 @@ BOUNDS = ("tight", "simple")
 Improver = Callable[[StepPlan, CostModel], StepPlan]
 
 log = logging.getLogger(__name__)
+
+
+class _Baseline(NamedTuple):
+    """A baseline's plan as rings, as handed out, and its seconds (``Planner.timing``)."""
+
+    name: str
+    rings: StepPlan
+    final: StepPlan
+    seconds: float
 
 
 def nested_core(topology: Topology) -> Topology | None:
@@ -123,7 +135,7 @@ class Planner:
         policy: str = "dyncp",
         max_length: int | None = None,
         group_sizes: Sequence[int] = (),
-        time_limit: float = 0.1,
+        time_limit: float | None = None,
         deterministic: bool = False,
         cpsat: CpSatImprover | None | str = "default",
         min_improve_seconds: float = 0.2,
@@ -133,15 +145,18 @@ class Planner:
         head_sizes: Sequence[int] = (1,),
         query_heads: int | None = None,
         kv_heads: int | None = None,
+        timing: str = "dataflow",
+        budget: StepBudget | None = None,
+        baselines: bool = True,
     ) -> None:
+        self.timing = check_timing(timing)
+        time_limit = self._check_budget(time_limit, budget)
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
         if not reserve_seconds >= 0:
             raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
         if policy not in ALL_POLICIES:
-            raise ValueError(
-                f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}"
-            )
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}")
         if model.ranks_per_node != ranks_per_node:
             raise ValueError(
                 f"cost model built for ranks_per_node={model.ranks_per_node}, planner has "
@@ -149,6 +164,7 @@ class Planner:
             )
         if not time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
+        self.budget = budget
         self.model = model
         splits = any(int(u) > 1 for u in head_sizes)
         shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
@@ -183,6 +199,9 @@ class Planner:
         self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
         self._tail_seconds = 0.0  # validation + bounds of the previous call (wall clock)
         self.solver_status_counts: Counter[str] = Counter()
+        self.baselines: BaselineCandidates | None = None
+        if baselines and policy in ("dyncp", HYBRID_POLICY):
+            self.baselines = BaselineCandidates(self.topology, max_length=max_length)
         self.static_cp: int | None = None
         if policy in ("static", "dp-balanced"):
             if max_length is None:
@@ -236,9 +255,10 @@ class Planner:
         nested = GreedyConstructor(lengths, core, self.model)
         other = nested.best(deadline=deadline)
         menu.tried += nested.tried
-        if evaluate_plan(other, self.model).step_seconds < evaluate_plan(
-            plan, self.model
-        ).step_seconds:
+        if (
+            evaluate_plan(other, self.model).step_seconds
+            < evaluate_plan(plan, self.model).step_seconds
+        ):
             other.topology = self.topology
             other.stats["construction"] = "powers-of-two"
             return other, menu
@@ -278,14 +298,23 @@ class Planner:
         return split_plan, split
 
     def _run_cpsat(
-        self, plan: StepPlan, cost: PlanCost, greedy: GreedyConstructor, start: float, stats: dict
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        greedy: GreedyConstructor,
+        start: float,
+        stats: dict,
+        limit: float | None = None,
     ) -> tuple[StepPlan, PlanCost]:
+        """CP-SAT on ``plan`` for what is left of ``limit`` (default ``time_limit``) seconds
+        since ``start``; in deterministic mode ``limit`` deterministic units."""
         assert self.cpsat is not None
+        limit = self.time_limit if limit is None else limit
         if self.deterministic:
-            budget = self.time_limit
+            budget = limit
             run = budget >= self.min_improve_seconds
         else:
-            left = self.time_limit - (time.perf_counter() - start)
+            left = limit - (time.perf_counter() - start)
             run = left >= self.min_improve_seconds
             # Keep a reserve for realising, validating and pricing the solver's answer.
             budget = 0.9 * left - 0.02
@@ -357,30 +386,141 @@ class Planner:
             return plan, cost
         return self._keep_better(plan, cost, candidate, "improver")
 
+    # ------------------------------------------------------------------------ budget, baselines
+    @staticmethod
+    def _check_budget(time_limit: float | None, budget: StepBudget | None) -> float:
+        """``time_limit`` (default 0.1 s), or the budget's floor: the two are exclusive."""
+        if budget is None:
+            return 0.1 if time_limit is None else time_limit
+        if not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        if time_limit is not None:
+            raise ValueError(
+                "give time_limit (a fixed limit per step) or budget (a share of the predicted "
+                "step, at least budget.floor), not both"
+            )
+        return budget.floor
+
+    def _budget_seconds(self, budget: StepBudget | None, cost: PlanCost, stats: dict) -> float:
+        """The step's whole planning limit: ``time_limit``, or the budget of the constructed
+        plan's predicted step (deterministic in deterministic mode: the prediction is)."""
+        if budget is None:
+            return self.time_limit
+        seconds = budget.seconds(cost.step_seconds)
+        stats["budget"] = {
+            "seconds": seconds,
+            "share": budget.share,
+            "cap": budget.cap,
+            "floor": budget.floor,
+            "units": "deterministic" if self.deterministic else "wall",
+        }
+        return seconds
+
+    def _construct_deadline(self, n: int, deadline: float | None) -> float | None:
+        """The constructor's deadline: ``deadline`` less the baselines' expected build time
+        (their last measured seconds per sequence; at most half of what is left)."""
+        if deadline is None or self.baselines is None or n == 0:
+            return deadline
+        per = self.baselines.per_sequence
+        expected = n * sum(per.get(b, SECONDS_PER_SEQUENCE) for b in BASELINES)
+        left = deadline - time.perf_counter()
+        return deadline - min(expected, 0.5 * max(left, 0.0))
+
+    def _build_baselines(self, lengths: np.ndarray, deadline: float | None) -> list[_Baseline]:
+        """The baseline plans built by ``deadline`` (all in deterministic mode): each as rings
+        (what the search continues from) and as handed out (a hybrid policy's with its splits
+        chosen), with its seconds under the model and the planner's timing."""
+        if self.baselines is None:
+            return []
+        out = []
+        for name, rings in self.baselines.plans(lengths, self.model, deadline=deadline):
+            rings.policy = self.policy
+            final = rings
+            if self.policy == HYBRID_POLICY:
+                final = choose_splits(rings, self.model)
+                final.policy = self.policy
+            seconds = evaluate_plan(final, self.model, timing=self.timing).step_seconds
+            out.append(_Baseline(name, rings, final, seconds))
+        return out
+
+    def _take_baseline(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[_Baseline],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The constructed plan, or the fastest baseline where it is faster (under the
+        planner's timing, as the search prices it): the improvement then starts from the
+        better of them."""
+        if not baselines:
+            return plan, cost
+        stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
+        mine = evaluate_plan(plan, self._pricing, timing=self.timing).step_seconds
+        priced = [
+            (evaluate_plan(b.rings, self._pricing, timing=self.timing).step_seconds, n)
+            for n, b in enumerate(baselines)
+        ]
+        seconds, n = min(priced)
+        if seconds >= mine:
+            return plan, cost
+        stats["chosen"] = f"baseline:{baselines[n].name}"
+        return baselines[n].rings, evaluate_plan(baselines[n].rings, self._pricing)
+
+    def _never_worse(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[_Baseline],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The final plan, or the fastest baseline where the final plan is slower under the
+        planner's timing (an improvement accepted under another objective can be)."""
+        best = min(baselines, key=lambda b: b.seconds)
+        if best.seconds >= evaluate_plan(plan, self.model, timing=self.timing).step_seconds:
+            return plan, cost
+        stats["chosen"] = f"baseline:{best.name}"
+        return best.final, evaluate_plan(best.final, self.model)
+
     # ------------------------------------------------------------------------------ API
-    def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
-        """A validated plan for one global batch, with predictions and timings in ``stats``."""
+    def plan(
+        self, lengths: Sequence[int] | np.ndarray, *, budget: StepBudget | None = None
+    ) -> StepPlan:
+        """A validated plan for one global batch, with predictions and timings in ``stats``.
+
+        ``budget`` (default: the planner's own, else ``time_limit``): plan this step with a
+        share of its predicted duration (``dyncp.planner.budget``; dyncp policies only).
+        """
         start = time.perf_counter()
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
-        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * self.time_limit)
-        deadline = None if self.deterministic else start + self.time_limit - reserve
-        plan, greedy = self._construct(lengths, deadline)
-        construct_seconds = time.perf_counter() - start
+        if budget is not None and not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        budget = budget if budget is not None else self.budget
+        first = budget.floor if budget is not None else self.time_limit  # the construction's
+        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * first)
+        deadline = None if self.deterministic else start + first - reserve
+        plan, greedy = self._construct(lengths, self._construct_deadline(len(lengths), deadline))
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
+        baselines = self._build_baselines(lengths, deadline)
+        construct_seconds = time.perf_counter() - start
         cost = evaluate_plan(plan, self._pricing)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
+            plan, cost = self._take_baseline(plan, cost, baselines, stats)
+            limit = self._budget_seconds(budget, cost, stats)
             if self.cpsat is not None:
-                plan, cost = self._run_cpsat(plan, cost, greedy, start, stats)
+                plan, cost = self._run_cpsat(plan, cost, greedy, start, stats, limit)
             if self.improver is not None:
                 plan, cost = self._run_improver(plan, cost)
         if self.policy == HYBRID_POLICY:
             plan = choose_splits(plan, self.model)
             plan.policy = self.policy
             cost = evaluate_plan(plan, self.model)
+        if baselines:
+            plan, cost = self._never_worse(plan, cost, baselines, stats)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
