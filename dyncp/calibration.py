@@ -139,8 +139,10 @@ class VersionedPlanner:
         inner.model = version.model(base.model.ranks_per_node)
         return cls(inner, version)
 
-    def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
-        plan = self.inner.plan(lengths)
+    def plan(self, lengths: Sequence[int] | np.ndarray, **options: Any) -> StepPlan:
+        """The inner planner's plan (``options``: its ``plan()`` keywords, e.g. ``budget``),
+        tagged with the model version."""
+        plan = self.inner.plan(lengths, **options)
         plan.stats["model_version"] = self.version.version
         return plan
 
@@ -336,8 +338,10 @@ class OnlineCalibrator:
             predicted = self._model.microbatch_seconds(m.cp, m.lengths, heads=m.heads)
         except (ValueError, ArithmeticError):
             return False
-        return math.isfinite(predicted) and predicted > 0 and (
-            1.0 / MAX_RATIO <= m.seconds / predicted <= MAX_RATIO
+        return (
+            math.isfinite(predicted)
+            and predicted > 0
+            and (1.0 / MAX_RATIO <= m.seconds / predicted <= MAX_RATIO)
         )
 
     def observe(

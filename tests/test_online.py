@@ -112,9 +112,9 @@ class _GatedPlanner(Planner):
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
 
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         assert self.gate.wait(30)
-        return super().plan(lengths)
+        return super().plan(lengths, **options)
 
 
 def test_submit_returns_before_the_plan_exists_and_steps_keep_their_order() -> None:
@@ -188,7 +188,7 @@ def test_a_rank_with_another_batch_makes_every_rank_raise() -> None:
 
 
 class _FailingPlanner(Planner):
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         raise RuntimeError("solver exploded")
 
 

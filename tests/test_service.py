@@ -72,10 +72,10 @@ class DelayedPlanner(Planner):
         super().__init__(_model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, cpsat=None)
         self.delays, self.calls = delays, 0
 
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         time.sleep(self.delays[self.calls % len(self.delays)])
         self.calls += 1
-        return super().plan(lengths)
+        return super().plan(lengths, **options)
 
 
 def make_lengths(n: int = 160, seed: int = 0) -> np.ndarray:
