@@ -37,9 +37,7 @@ CASES = {
 def planners(case: str, timing: str, **kw: object) -> tuple[CostModel, dict[str, Planner]]:
     profile, world, per_node, capacity, max_length, _ = CASES[case]
     model = CostModel.load(profile, per_node)
-    common = dict(
-        world=world, ranks_per_node=per_node, capacity=capacity, max_length=max_length
-    )
+    common = dict(world=world, ranks_per_node=per_node, capacity=capacity, max_length=max_length)
     out = {
         p: Planner(model, policy=p, timing=timing, deterministic=True, cpsat=None, **common, **kw)
         for p in (*BASELINES, "dyncp")
@@ -95,8 +93,7 @@ def test_the_hybrid_policy_is_never_slower_than_a_baseline() -> None:
         plan.validate()
         mine = evaluate_plan(plan, model, timing=hybrid.timing).step_seconds
         best = min(
-            evaluate_plan(b.plan(lengths), model, timing=hybrid.timing).step_seconds
-            for b in bases
+            evaluate_plan(b.plan(lengths), model, timing=hybrid.timing).step_seconds for b in bases
         )
         assert mine <= best * (1 + 1e-12)
 
