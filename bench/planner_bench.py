@@ -32,8 +32,10 @@ Two more kinds of scenario, each with its own shape:
 
 Every scenario's row also prints dyncp's ratio to the best baseline policy (``static``,
 ``dp-balanced``, ``batch-adaptive``, ``megatron``, each planned on the same batch and priced with
-the same model and timing), per step: its mean and its maximum, which must not exceed 1.0
-(``Planner`` keeps the baselines as candidates, ``dyncp.planner.baselines``).
+the same model and timing), per step: its mean and its maximum (``/base``), which must not exceed
+1.0 (``Planner`` keeps the baselines as candidates, ``dyncp.planner.baselines``); and, for the
+same planner without them (``baselines=False``: dyncp's own construction), the maximum ratio and
+the number of steps on which it loses (``own max``, ``own >``).
 
 ``--budgets 0.1,0.3,1,3`` prints, per scenario and per budget (``time_limit`` seconds: the
 constructor, then CP-SAT for what is left), the mean and max gap to the tight bound, the mean gap
@@ -41,7 +43,8 @@ to the best plan any budget found for the batch (how much of the gap is the plan
 against the bound beyond it is the bound's, or a plan no budget found), the ratio to the best
 baseline (max over steps), the share of steps whose plan is faster than the constructor's
 (``improved``: CP-SAT or a baseline) and of steps whose plan started from a baseline, and the p50
-wall time of ``plan()``.
+wall and CPU time of ``plan()`` (CPU: this process, all its threads; under load a wall-clock
+budget buys less CPU, so compare the two).
 
 Per scenario it prints, for the default ``dyncp`` (``time_limit=0.1``): mean and max gap to the
 tight LP bound and to the closed-form bound, speedup over ``megatron`` on the same batches, plan
@@ -139,11 +142,14 @@ def long_documents(n: int, seed: int) -> np.ndarray:
     return np.clip(np.rint(x), LONG_MIN, LONG_MAX).astype(np.int64)
 
 
-def sparse_documents(n: int, seed: int) -> np.ndarray:
-    """One sparse batch: Megatron's mock lengths (mean SPARSE_MEAN, sigma SPARSE_SIGMA)."""
-    rng = np.random.default_rng(seed)
+def sparse_documents(n: int, steps: int, seed: int) -> list[np.ndarray]:
+    """``steps`` sparse batches of ``n``: Megatron's mock lengths (mean SPARSE_MEAN, sigma
+    SPARSE_SIGMA), drawn as ``bench/megatron_repro.py`` draws them (NumPy's legacy generator, one
+    stream cut into consecutive batches), so seed 0 with 2 per rank is that script's 64-GPU run."""
+    rng = np.random.RandomState(seed)
     mu = np.log(SPARSE_MEAN) - SPARSE_SIGMA**2 / 2
-    return np.clip(rng.lognormal(mu, SPARSE_SIGMA, n), SPARSE_MIN, SPARSE_MAX).astype(np.int64)
+    x = np.clip(rng.lognormal(mu, SPARSE_SIGMA, n * steps), SPARSE_MIN, SPARSE_MAX)
+    return list(x.astype(np.int64).reshape(steps, n))
 
 
 def scenarios(args: argparse.Namespace, model: CostModel) -> Iterator[Scenario]:
@@ -178,7 +184,7 @@ def scenarios(args: argparse.Namespace, model: CostModel) -> Iterator[Scenario]:
         if sparse_model is None:
             sparse_model = CostModel.load(args.sparse_profile, ranks_per_node=SPARSE_RANKS_PER_NODE)
         n = per_rank * SPARSE_WORLD
-        batches = [sparse_documents(n, args.seed + s) for s in range(args.steps)]
+        batches = sparse_documents(n, args.steps, args.seed)
         yield Scenario(
             f"{name} ({args.sparse_profile})",
             SPARSE_CAPACITY,
@@ -264,15 +270,18 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
     header = (
         f"{'scenario':<34}{'cap':>6}{'gap':>7}{'max':>7}{'old gap':>8}{'old max':>8}"
         f"{'vs megatron':>12}{'p50 ms':>8}{'p99 ms':>8}{'p50 busy':>9}{'p99 busy':>9}"
-        f"{'bound ms':>9}{'cpsat closes':>13}{'/base mean':>11}{'/base max':>10}  cpsat outcomes"
+        f"{'bound ms':>9}{'cpsat closes':>13}{'/base mean':>11}{'/base max':>10}{'own max':>8}"
+        f"{'own >':>6}  cpsat outcomes"
     )
     print(header)
     for sc in scenarios(args, model):
         name, capacity, batches, model = sc.name, sc.capacity, sc.batches, sc.model
-        dyncp = sc.planner(time_limit=args.time_limit)
+        mode = {"deterministic": True} if args.deterministic else {"time_limit": args.time_limit}
+        dyncp = sc.planner(**mode)
         megatron = sc.planner(policy="megatron")
         baselines = Baselines(sc, dyncp.timing)
-        gaps, old, lat, bound_lat, secs, meg, ratios = [], [], [], [], [], [], []
+        own = sc.planner(**mode, baselines=False)
+        gaps, old, lat, bound_lat, secs, meg, ratios, owns = [], [], [], [], [], [], [], []
         worst: list[tuple[float, int, StepPlan]] = []
         for b, batch in enumerate(batches):
             plan = dyncp.plan(batch)
@@ -285,7 +294,9 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
             bound_lat.append(st["timings"]["bound_seconds"])
             secs.append(st["predicted_step_seconds"])
             meg.append(megatron.plan(batch).stats["predicted_step_seconds"])
-            ratios.append(ratio_to_baselines(plan, model, dyncp.timing, baselines.best(batch)))
+            best = baselines.best(batch)
+            ratios.append(ratio_to_baselines(plan, model, dyncp.timing, best))
+            owns.append(ratio_to_baselines(own.plan(batch), model, dyncp.timing, best))
         busy = []
         if args.contention:
             with contention(args.contention):
@@ -307,7 +318,8 @@ def run_quality(model: CostModel, args: argparse.Namespace) -> None:
             f"{(ms(busy, 99) if busy else float('nan')):>9.1f}"
             f"{ms(bound_lat, 50):>9.1f}"
             f"{(np.mean(closes) if closes else float('nan')):>13.1%}"
-            f"{np.mean(ratios):>11.4f}{np.max(ratios):>10.4f}  {dict(outcomes)}",
+            f"{np.mean(ratios):>11.4f}{np.max(ratios):>10.4f}{np.max(owns):>8.4f}"
+            f"{sum(r > 1 + 1e-12 for r in owns):>6}  {dict(outcomes)}",
             flush=True,
         )
         for gap, b, plan in worst:
@@ -356,20 +368,23 @@ def run_budgets(model: CostModel, args: argparse.Namespace) -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     print(
         f"{'scenario':<34}{'cap':>6}{'budget s':>9}{'gap':>8}{'max':>8}{'vs best':>9}"
-        f"{'/base max':>10}{'improved':>9}{'baseline':>9}{'p50 ms':>9}"
+        f"{'/base max':>10}{'improved':>9}{'baseline':>9}{'p50 ms':>9}{'cpu ms':>8}"
     )
     for sc in scenarios(args, model):
         planners = {b: sc.planner(time_limit=b) for b in budgets}
         timing = planners[budgets[0]].timing
         baselines = Baselines(sc, timing)
         seconds = {b: [] for b in budgets}
-        bounds, ratios, lat = [], {b: [] for b in budgets}, {b: [] for b in budgets}
+        bounds, ratios = [], {b: [] for b in budgets}
+        lat, cpu = {b: [] for b in budgets}, {b: [] for b in budgets}
         improved, chose_baseline = Counter(), Counter()
         for batch in sc.batches:
             best_base = baselines.best(batch)
             bound = None
             for b in budgets:
+                t0 = time.process_time()
                 plan = planners[b].plan(batch)
+                cpu[b].append(time.process_time() - t0)
                 st = plan.stats
                 bound = st["lower_bound_seconds"]
                 seconds[b].append(st["predicted_step_seconds"])
@@ -387,7 +402,7 @@ def run_budgets(model: CostModel, args: argparse.Namespace) -> None:
                 f"{sc.name:<34}{sc.capacity:>6}{b:>9.2f}{gap.mean():>8.2%}{gap.max():>8.2%}"
                 f"{vs_best.mean():>9.2%}{np.max(ratios[b]):>10.4f}"
                 f"{improved[b] / len(sc.batches):>9.0%}{chose_baseline[b] / len(sc.batches):>9.0%}"
-                f"{ms(lat[b], 50):>9.0f}",
+                f"{ms(lat[b], 50):>9.0f}{ms(cpu[b], 50):>8.0f}",
                 flush=True,
             )
 
@@ -435,6 +450,11 @@ def main() -> None:
         "--scenarios", nargs="*", default=[], help="only scenarios whose name starts so"
     )
     parser.add_argument("--sparse-profile", default="h100-megatron-dcp-gpt")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the quality table's dyncp planners in deterministic mode (no clock: load-free)",
+    )
     parser.add_argument(
         "--determinism", action="store_true", help="deterministic mode's cost (docstring)"
     )
