@@ -2,7 +2,7 @@
 
     python bench/planner_bench.py [--steps 50] [--cpsat-steps 10] [--profile h100-reference]
                                   [--data ../shared/datasets] [--contention 1] [--scale]
-                                  [--explain 3] [--determinism] [--budgets 0.1,0.3,1,3]
+                                  [--explain 3] [--determinism] [--budgets 0.1,0.3,1,3,step]
                                   [--scenarios long sparse-2] [--sparse-profile NAME]
 
 Scenarios (512 sequences per step on 64 ranks, 8 per node, max length 131072): the two shared
@@ -44,7 +44,9 @@ against the bound beyond it is the bound's, or a plan no budget found), the rati
 baseline (max over steps), the share of steps whose plan is faster than the constructor's
 (``improved``: CP-SAT or a baseline) and of steps whose plan started from a baseline, and the p50
 wall and CPU time of ``plan()`` (CPU: this process, all its threads; under load a wall-clock
-budget buys less CPU, so compare the two).
+budget buys less CPU, so compare the two). ``step`` among the budgets plans with the default
+``StepBudget`` (a quarter of the constructed plan's predicted step, within [0.1 s, 2 s]: the
+plan service's); its row, marked ``*``, shows the mean budget the steps got.
 
 Per scenario it prints, for the default ``dyncp`` (``time_limit=0.1``): mean and max gap to the
 tight LP bound and to the closed-form bound, speedup over ``megatron`` on the same batches, plan
@@ -83,6 +85,7 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.plan import StepPlan, plan_digest
 from dyncp.planner import Planner
+from dyncp.planner.budget import StepBudget
 from dyncp.sim.replay import admit, draw_batches
 
 MAX_LENGTH = 131072
@@ -365,13 +368,17 @@ def run_determinism(model: CostModel, args: argparse.Namespace) -> None:
 
 def run_budgets(model: CostModel, args: argparse.Namespace) -> None:
     """Plan quality against the planning budget (module docstring)."""
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets: list[float | str] = [b if b == "step" else float(b) for b in args.budgets.split(",")]
     print(
         f"{'scenario':<34}{'cap':>6}{'budget s':>9}{'gap':>8}{'max':>8}{'vs best':>9}"
         f"{'/base max':>10}{'improved':>9}{'baseline':>9}{'p50 ms':>9}{'cpu ms':>8}"
     )
     for sc in scenarios(args, model):
-        planners = {b: sc.planner(time_limit=b) for b in budgets}
+        planners = {
+            b: sc.planner(budget=StepBudget()) if b == "step" else sc.planner(time_limit=b)
+            for b in budgets
+        }
+        spent = {b: [] for b in budgets}  # the budget each step got
         timing = planners[budgets[0]].timing
         baselines = Baselines(sc, timing)
         seconds = {b: [] for b in budgets}
@@ -387,6 +394,7 @@ def run_budgets(model: CostModel, args: argparse.Namespace) -> None:
                 cpu[b].append(time.process_time() - t0)
                 st = plan.stats
                 bound = st["lower_bound_seconds"]
+                spent[b].append(st["budget"]["seconds"] if b == "step" else b)
                 seconds[b].append(st["predicted_step_seconds"])
                 ratios[b].append(ratio_to_baselines(plan, sc.model, timing, best_base))
                 lat[b].append(st["timings"]["plan_seconds"])
@@ -399,7 +407,8 @@ def run_budgets(model: CostModel, args: argparse.Namespace) -> None:
             gap = t / np.asarray(bounds) - 1
             vs_best = t / best_plan - 1
             print(
-                f"{sc.name:<34}{sc.capacity:>6}{b:>9.2f}{gap.mean():>8.2%}{gap.max():>8.2%}"
+                f"{sc.name:<34}{sc.capacity:>6}{np.mean(spent[b]):>9.2f}"
+                f"{'*' if b == 'step' else ' '}{gap.mean():>7.2%}{gap.max():>8.2%}"
                 f"{vs_best.mean():>9.2%}{np.max(ratios[b]):>10.4f}"
                 f"{improved[b] / len(sc.batches):>9.0%}{chose_baseline[b] / len(sc.batches):>9.0%}"
                 f"{ms(lat[b], 50):>9.0f}{ms(cpu[b], 50):>8.0f}",
@@ -444,7 +453,9 @@ def main() -> None:
     parser.add_argument("--scale-steps", type=int, default=2)
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument(
-        "--budgets", default="", help="comma-separated time limits, e.g. 0.1,0.3,1,3 (docstring)"
+        "--budgets",
+        default="",
+        help="comma-separated time limits, e.g. 0.1,0.3,1,3,step (docstring)",
     )
     parser.add_argument(
         "--scenarios", nargs="*", default=[], help="only scenarios whose name starts so"

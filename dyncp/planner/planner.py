@@ -14,6 +14,12 @@ when the exact cost model predicts it faster, so nothing after the greedy can ma
 or invalid, and nothing raises because a solver ran out of time: the best plan found by the
 deadline is returned. Solver outcomes are counted in ``Planner.solver_status_counts``.
 
+Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
+share of the step the constructed plan predicts (the construction gets the budget's floor, the
+improvement the rest); the baseline policies' plans (``dyncp.planner.baselines``) are built first
+and kept as candidates, so the plan handed out is never slower than theirs under the planner's
+model and ``timing``.
+
 Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
 with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
@@ -111,7 +117,7 @@ class Planner:
             ``static``).
         group_sizes: allowed CP sizes (default: powers of two dividing world).
         time_limit: seconds the dyncp policy may spend per step (deterministic units in
-            deterministic mode).
+            deterministic mode); default 0.1. Not with ``budget``.
         deterministic: reproducible CP-SAT (see the module docstring).
         cpsat: the CP-SAT improver; ``None`` disables it. Default: ``CpSatImprover()``.
         min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
@@ -129,6 +135,14 @@ class Planner:
             the policy, so every policy's gap is against the same bound.
         query_heads, kv_heads: the model's attention heads (default: the profile's
             ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
+        timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``), default ``"dataflow"``;
+            the baseline candidates are compared under it.
+        budget: plan each step for a share of its predicted seconds instead of a fixed
+            ``time_limit`` (``dyncp.planner.budget``): the construction gets ``budget.floor``,
+            the improvement the rest; ``plan(lengths, budget=...)`` overrides it per call.
+        baselines: build the baseline policies' plans as candidates of the dyncp policies
+            (``dyncp.planner.baselines``), so that the plan handed out is never slower than
+            theirs; ``False`` shows what the search alone finds.
     """
 
     def __init__(
