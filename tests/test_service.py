@@ -752,6 +752,8 @@ def _serve(*args: str) -> list[str]:
         (["--port", "70000"], "--port: expected an integer in [1, 65535]"),
         (["--connect-timeout", "1e308"], "--connect-timeout: expected seconds > 0 and at most"),
         (["--time-limit", "inf"], "--time-limit"),
+        (["--budget-share", "1.5"], "StepBudget.share must be in (0, 1], got 1.5"),
+        (["--budget-cap", "0.05"], "StepBudget.cap (0.05) must be >= floor (0.1)"),
     ],
 )
 def test_serve_startup_errors_are_one_line(
