@@ -68,15 +68,16 @@ def test_bad_predictions_and_conflicting_options_are_refused() -> None:
 
 
 def test_deterministic_mode_budgets_in_work_units_from_the_prediction() -> None:
-    """The budget is the constructed plan's prediction times the share (no clock), CP-SAT runs
-    with that many deterministic units, and planning twice gives the same plan."""
+    """The budget is the batch's closed-form bound times the share (no clock), CP-SAT runs with
+    that many deterministic units, and planning twice gives the same plan."""
     budget = StepBudget(share=1.0, cap=0.3, floor=0.25)  # >= min_improve_seconds: CP-SAT runs
     lengths = batch(1)
     plans = [planner(deterministic=True, budget=budget).plan(lengths) for _ in range(2)]
     st = plans[0].stats
     assert st["budget"]["units"] == "deterministic"
-    if "chosen" not in st:  # the budget follows the constructed plan's prediction
-        assert st["budget"]["seconds"] == budget.seconds(st["greedy_step_seconds"])
+    predicted = st["budget"]["predicted_step_seconds"]
+    assert predicted == st["simple_lower_bound_seconds"]
+    assert st["budget"]["seconds"] == budget.seconds(predicted)
     assert st["solver"]["status"] != "SKIPPED"
     assert plan_digest(plans[0]) == plan_digest(plans[1])
     assert plans[0].stats["budget"] == plans[1].stats["budget"]

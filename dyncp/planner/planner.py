@@ -15,10 +15,10 @@ or invalid, and nothing raises because a solver ran out of time: the best plan f
 deadline is returned. Solver outcomes are counted in ``Planner.solver_status_counts``.
 
 Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
-share of the step the constructed plan predicts (the construction gets the budget's floor, the
-improvement the rest); the baseline policies' plans (``dyncp.planner.baselines``) are built first
-and kept as candidates, so the plan handed out is never slower than theirs under the planner's
-model and ``timing``.
+share of the step the batch's closed-form lower bound predicts, decided before planning, so the
+whole pipeline above (the constructor first, then the improvement) runs within it. The baseline
+policies' plans (``dyncp.planner.baselines``) are built first and kept as candidates, so the
+plan handed out is never slower than theirs under the planner's model and ``timing``.
 
 Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
 with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
@@ -138,8 +138,8 @@ class Planner:
         timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``), default ``"dataflow"``;
             the baseline candidates are compared under it.
         budget: plan each step for a share of its predicted seconds instead of a fixed
-            ``time_limit`` (``dyncp.planner.budget``): the construction gets ``budget.floor``,
-            the improvement the rest; ``plan(lengths, budget=...)`` overrides it per call.
+            ``time_limit`` (``dyncp.planner.budget``); ``plan(lengths, budget=...)`` overrides
+            it per call.
         baselines: build the baseline policies' plans as candidates of the dyncp policies
             (``dyncp.planner.baselines``), so that the plan handed out is never slower than
             theirs; ``False`` shows what the search alone finds.
@@ -409,7 +409,8 @@ class Planner:
     # ------------------------------------------------------------------------ budget, baselines
     @staticmethod
     def _check_budget(time_limit: float | None, budget: StepBudget | None) -> float:
-        """``time_limit`` (default 0.1 s), or the budget's floor: the two are exclusive."""
+        """``time_limit`` (default 0.1 s), or the budget's floor (what a policy without a
+        budget, or a planner asked for its ``time_limit``, uses): the two are exclusive."""
         if budget is None:
             return 0.1 if time_limit is None else time_limit
         if not isinstance(budget, StepBudget):
@@ -421,14 +422,18 @@ class Planner:
             )
         return budget.floor
 
-    def _budget_seconds(self, budget: StepBudget | None, cost: PlanCost, stats: dict) -> float:
-        """The step's whole planning limit: ``time_limit``, or the budget of the constructed
-        plan's predicted step (deterministic in deterministic mode: the prediction is)."""
-        if budget is None:
+    def _budget_seconds(
+        self, budget: StepBudget | None, predicted: float | None, stats: dict
+    ) -> float:
+        """The step's whole planning limit: ``time_limit``, or the budget of the step
+        ``predicted`` (seconds: the batch's closed-form lower bound, a pure function of the
+        batch, so deterministic mode stays deterministic)."""
+        if budget is None or predicted is None:
             return self.time_limit
-        seconds = budget.seconds(cost.step_seconds)
+        seconds = budget.seconds(predicted)
         stats["budget"] = {
             "seconds": seconds,
+            "predicted_step_seconds": predicted,
             "share": budget.share,
             "cap": budget.cap,
             "floor": budget.floor,
@@ -517,19 +522,21 @@ class Planner:
         if budget is not None and not isinstance(budget, StepBudget):
             raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
         budget = budget if budget is not None else self.budget
-        first = budget.floor if budget is not None else self.time_limit  # the construction's
-        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * first)
-        deadline = None if self.deterministic else start + first - reserve
+        stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
+        simple: float | None = None  # the closed-form bound, when the budget follows it
+        if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
+            simple = lower_bound(lengths, self.topology, self.search_model)
+        limit = self._budget_seconds(budget, simple, stats)
+        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * limit)
+        deadline = None if self.deterministic else start + limit - reserve
         baselines = self._build_baselines(lengths, self._baseline_deadline(start, deadline))
         plan, greedy = self._construct(lengths, deadline)
-        stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
         construct_seconds = time.perf_counter() - start
         cost = evaluate_plan(plan, self._pricing)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
             plan, cost = self._take_baseline(plan, cost, baselines, stats)
-            limit = self._budget_seconds(budget, cost, stats)
             if self.cpsat is not None:
                 plan, cost = self._run_cpsat(plan, cost, greedy, start, stats, limit)
             if self.improver is not None:
@@ -543,7 +550,8 @@ class Planner:
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
-        simple = lower_bound(lengths, self.topology, self.search_model)
+        if simple is None:
+            simple = lower_bound(lengths, self.topology, self.search_model)
         bound, bound_info = simple, {"kind": "simple"}
         if self.bound == "tight":
             lp = lp_lower_bound(lengths, self.topology, self.search_model, simple=simple)
