@@ -81,7 +81,7 @@ from pathlib import Path
 import numpy as np
 
 from dyncp.cost_model import CostModel
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.datasets import load_lengths, resolve_dataset
 from dyncp.plan import StepPlan, plan_digest
 from dyncp.planner import Planner
@@ -111,8 +111,11 @@ class Scenario:
     world: int = WORLD
     ranks_per_node: int = RANKS_PER_NODE
     max_length: int = MAX_LENGTH
+    timing: str | None = None  # every planner's objective (None: the Planner's default)
 
     def planner(self, **kw) -> Planner:
+        if self.timing is not None:
+            kw.setdefault("timing", self.timing)
         return Planner(
             self.model,
             world=self.world,
@@ -156,7 +159,14 @@ def sparse_documents(n: int, steps: int, seed: int) -> list[np.ndarray]:
 
 
 def scenarios(args: argparse.Namespace, model: CostModel) -> Iterator[Scenario]:
-    """The scenarios whose name starts with one of ``args.scenarios`` (all without it)."""
+    """The scenarios whose name starts with one of ``args.scenarios`` (all without it), planned
+    under ``args.timing``."""
+    for sc in _scenarios(args, model):
+        sc.timing = getattr(args, "timing", None)
+        yield sc
+
+
+def _scenarios(args: argparse.Namespace, model: CostModel) -> Iterator[Scenario]:
 
     def wanted(name: str) -> bool:
         return not args.scenarios or any(name.startswith(w) for w in args.scenarios)
@@ -204,7 +214,7 @@ class Baselines:
 
     def __init__(self, scenario: Scenario, timing: str) -> None:
         self.model, self.timing = scenario.model, timing
-        self.planners = [scenario.planner(policy=p, timing=timing) for p in BASELINE_POLICIES]
+        self.planners = [scenario.planner(policy=p) for p in BASELINE_POLICIES]
 
     def best(self, batch: np.ndarray) -> float:
         """The fastest baseline plan's seconds (the planners' timing)."""
@@ -461,6 +471,12 @@ def main() -> None:
         "--scenarios", nargs="*", default=[], help="only scenarios whose name starts so"
     )
     parser.add_argument("--sparse-profile", default="h100-megatron-dcp-gpt")
+    parser.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default=None,
+        help="every planner's objective, and what ratios are priced with (default: Planner's)",
+    )
     parser.add_argument(
         "--deterministic",
         action="store_true",
