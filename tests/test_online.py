@@ -65,8 +65,10 @@ def test_every_submitted_id_is_trained_exactly_once(world: int, ids: list[int], 
     assert sorted(_coverage(steps)) == sorted(ids)
     assert len({s.digest for s in steps}) == 1
     held = [
-        {(b.meta.wave, b.meta.group_start, b.meta.microbatch): b.meta.sample_indices
-         for b in s.microbatches}
+        {
+            (b.meta.wave, b.meta.group_start, b.meta.microbatch): b.meta.sample_indices
+            for b in s.microbatches
+        }
         for s in steps
     ]
     for s, mine in zip(steps, held):  # a group's members hold the same micro-batches
@@ -169,9 +171,7 @@ def _batches(n: int, seed: int, longest: int) -> list[tuple[list[int], list[int]
 @pytest.mark.timeout(120)
 def test_four_ranks_run_the_roots_plan_and_train_each_id_once() -> None:
     batches = _batches(4, seed=3, longest=4 * CAPACITY)
-    results = run_gloo(
-        _broadcast_worker, world=4, args=(batches, None), timeout=100, pg_timeout=20
-    )
+    results = run_gloo(_broadcast_worker, world=4, args=(batches, None), timeout=100, pg_timeout=20)
     for k, (ids, _) in enumerate(batches):
         digests = {r[k][0] for r in results}
         assert len(digests) == 1 and len({r[k][1] for r in results}) == 1
