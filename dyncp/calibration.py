@@ -158,8 +158,10 @@ class VersionedPlanner:
         inner.model = version.model(base.model.ranks_per_node)
         return cls(inner, version)
 
-    def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
-        plan = self.inner.plan(lengths)
+    def plan(self, lengths: Sequence[int] | np.ndarray, **options: Any) -> StepPlan:
+        """The inner planner's plan (``options``: its ``plan()`` keywords, e.g. ``budget``),
+        tagged with the model version."""
+        plan = self.inner.plan(lengths, **options)
         plan.stats["model_version"] = self.version.version
         return plan
 

@@ -2,12 +2,16 @@
 
     python -m dyncp.serve --host trainer-0 --port 29500 --prefix myjob \\
         --dataset lengths.parquet --world 64 --ranks-per-node 8 --capacity 8192 \\
-        --global-batch-tokens 1048576 --seed 0 --time-limit 2.0 --lookahead 4
+        --global-batch-tokens 1048576 --seed 0 --lookahead 4
 
 It connects to the job's TCPStore as a client and publishes the plans the job's samplers read
 (every rank passes ``store=..., prefix=..., serve=False``). Batching options must be the job's:
 a plan for another batch is rejected by the readers, which then fall back (and count it). Stops
 on SIGINT/SIGTERM or after ``--duration`` seconds, and prints its counters.
+
+Each step is planned for ``--budget-share`` of its predicted seconds, within [0.1 s,
+``--budget-cap``] (``dyncp.planner.budget``; defaults 0.25 and 2 s); ``--time-limit`` plans every
+step for a fixed number of seconds instead.
 
 ``--calibrate``: the service also refits the cost model from the measurements the trainers push
 (``dyncp.runtime.measure.StoreMeasurements``), publishes each adopted version in the Store before
@@ -46,6 +50,7 @@ from dyncp.datasets import DatasetError, load_lengths, resolve_dataset
 from dyncp.model_channel import ServiceCalibration
 from dyncp.plan import Topology
 from dyncp.planner import POLICIES, Planner
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.sampler import OVERLONG, BatchSchedule
 from dyncp.service import PlanService
 
@@ -129,7 +134,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default="h100-reference", help="cost-model profile name or path")
     p.add_argument("--policy", choices=POLICIES, default="dyncp")
     p.add_argument(
-        "--time-limit", type=_seconds(zero=False), default=1.0, help="planner seconds per step"
+        "--time-limit",
+        type=_seconds(zero=False),
+        default=None,
+        help="fixed planner seconds per step (default: the budget below)",
+    )
+    p.add_argument(
+        "--budget-share",
+        type=float,
+        default=DEFAULT_STEP_BUDGET.share,
+        help="planning seconds per predicted step second (0, 1]",
+    )
+    p.add_argument(
+        "--budget-cap",
+        type=_seconds(zero=False),
+        default=DEFAULT_STEP_BUDGET.cap,
+        help="most planner seconds per step",
     )
     p.add_argument("--lookahead", type=_count(0), default=2)
     p.add_argument(
@@ -267,6 +287,12 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         max_length=topology.max_length(),
         time_limit=args.time_limit,
     )
+    budget = None
+    if args.time_limit is None:
+        try:
+            budget = StepBudget(share=args.budget_share, cap=args.budget_cap)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
     schedule = BatchSchedule(
         load_lengths(resolve_dataset(args.dataset), args.column),
         max_length=planner.topology.max_length(),
@@ -294,6 +320,7 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         lookahead=args.lookahead,
         calibration=calibration,
         run_id=args.run_id,
+        budget=budget,
     )
     service.start()
     print(

@@ -68,6 +68,7 @@ from dyncp.plan_slice import (
     own_slice,
     slice_plan,
 )
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import HYBRID_POLICY, Planner
 
 if TYPE_CHECKING:
@@ -166,9 +167,16 @@ def fallback_planner(planner: Planner) -> Planner:
     )
 
 
-def plan_batch(planner: Planner, sample_ids: np.ndarray, lengths: np.ndarray) -> StepPlan:
-    """A validated plan of one global batch, its ``sample_ids`` set to the dataset indices."""
-    plan = planner.plan(lengths)
+def plan_batch(
+    planner: Planner,
+    sample_ids: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    budget: StepBudget | None = None,
+) -> StepPlan:
+    """A validated plan of one global batch, its ``sample_ids`` set to the dataset indices;
+    with ``budget``, planned with that share of its predicted step (``Planner.plan``)."""
+    plan = planner.plan(lengths) if budget is None else planner.plan(lengths, budget=budget)
     plan.sample_ids = tuple(int(i) for i in sample_ids)
     return plan
 
@@ -226,6 +234,12 @@ class PlanService:
         source: the global batches (the same schedule every reader uses).
         planner: any Planner (CP-SAT and a long ``time_limit`` allowed: readers never wait for
             it past their deadline).
+        budget: how long each step is planned: ``share`` x the step's predicted seconds, within
+            ``[floor, cap]`` (``dyncp.planner.budget``; default 0.25, [0.1 s, 2 s]: the service
+            plans ``lookahead`` steps ahead on one thread, so it keeps up while a step's plan
+            takes less than the step, and a quarter leaves the training rank's core, whose
+            Python the thread shares, three quarters). ``None``: the planner's own
+            ``time_limit`` or budget.
         prefix: job namespace of the keys.
         lookahead: steps planned beyond the one readers currently need.
         poll_seconds: how often the cursor is read when there is nothing to plan.
@@ -256,9 +270,13 @@ class PlanService:
         calibration: ServiceCalibration | None = None,
         run_id: str = "",
         slices: bool = False,
+        budget: StepBudget | None = DEFAULT_STEP_BUDGET,
     ) -> None:
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+        if budget is not None and not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        self.budget = budget
         self.calibration = calibration
         self.slices = slices
         self.prefix = _check_prefix(prefix)
@@ -364,7 +382,7 @@ class PlanService:
         key = step_key(self.prefix, epoch, step)
         records: list[bytes] = []
         try:
-            plan = plan_batch(self.planner, ids, lengths)
+            plan = plan_batch(self.planner, ids, lengths, budget=self.budget)
             if self.slices:  # the slices first: a reader that sees the header finds its slice
                 header, records = slice_plan(plan)
                 _set_many(self.store, self._slice_keys(key), records)

@@ -65,8 +65,10 @@ def test_every_submitted_id_is_trained_exactly_once(world: int, ids: list[int], 
     assert sorted(_coverage(steps)) == sorted(ids)
     assert len({s.digest for s in steps}) == 1
     held = [
-        {(b.meta.wave, b.meta.group_start, b.meta.microbatch): b.meta.sample_indices
-         for b in s.microbatches}
+        {
+            (b.meta.wave, b.meta.group_start, b.meta.microbatch): b.meta.sample_indices
+            for b in s.microbatches
+        }
         for s in steps
     ]
     for s, mine in zip(steps, held):  # a group's members hold the same micro-batches
@@ -112,9 +114,9 @@ class _GatedPlanner(Planner):
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
 
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         assert self.gate.wait(30)
-        return super().plan(lengths)
+        return super().plan(lengths, **options)
 
 
 def test_submit_returns_before_the_plan_exists_and_steps_keep_their_order() -> None:
@@ -169,9 +171,7 @@ def _batches(n: int, seed: int, longest: int) -> list[tuple[list[int], list[int]
 @pytest.mark.timeout(120)
 def test_four_ranks_run_the_roots_plan_and_train_each_id_once() -> None:
     batches = _batches(4, seed=3, longest=4 * CAPACITY)
-    results = run_gloo(
-        _broadcast_worker, world=4, args=(batches, None), timeout=100, pg_timeout=20
-    )
+    results = run_gloo(_broadcast_worker, world=4, args=(batches, None), timeout=100, pg_timeout=20)
     for k, (ids, _) in enumerate(batches):
         digests = {r[k][0] for r in results}
         assert len(digests) == 1 and len({r[k][1] for r in results}) == 1
@@ -188,7 +188,7 @@ def test_a_rank_with_another_batch_makes_every_rank_raise() -> None:
 
 
 class _FailingPlanner(Planner):
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         raise RuntimeError("solver exploded")
 
 

@@ -47,11 +47,11 @@ class MemoPlanner(Planner):
         self._memo: dict[bytes, object] = {}
         self.calls = 0
 
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         key = np.asarray(lengths, dtype=np.int64).tobytes()
         if key not in self._memo:
             self.calls += 1
-            self._memo[key] = super().plan(lengths)
+            self._memo[key] = super().plan(lengths, **options)
         plan = self._memo[key]
         return dataclasses.replace(plan, stats=dict(plan.stats))
 

@@ -72,10 +72,10 @@ class DelayedPlanner(Planner):
         super().__init__(_model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, cpsat=None)
         self.delays, self.calls = delays, 0
 
-    def plan(self, lengths):
+    def plan(self, lengths, **options):
         time.sleep(self.delays[self.calls % len(self.delays)])
         self.calls += 1
-        return super().plan(lengths)
+        return super().plan(lengths, **options)
 
 
 def make_lengths(n: int = 160, seed: int = 0) -> np.ndarray:
@@ -752,6 +752,8 @@ def _serve(*args: str) -> list[str]:
         (["--port", "70000"], "--port: expected an integer in [1, 65535]"),
         (["--connect-timeout", "1e308"], "--connect-timeout: expected seconds > 0 and at most"),
         (["--time-limit", "inf"], "--time-limit"),
+        (["--budget-share", "1.5"], "StepBudget.share must be in (0, 1], got 1.5"),
+        (["--budget-cap", "0.05"], "StepBudget.cap (0.05) must be >= floor (0.1)"),
     ],
 )
 def test_serve_startup_errors_are_one_line(

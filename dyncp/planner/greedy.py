@@ -30,8 +30,9 @@ searched too (``best``).
 from __future__ import annotations
 
 import heapq
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -90,6 +91,12 @@ CANDIDATE_SHARE = 0.85
 RING_FIRST = True
 # How many of LEVEL_FACTORS are tried right after the first structure (they win most often).
 EARLY_LEVELS = 5
+#: Batches whose tokens fill at most this many passes per rank on average (total padded tokens
+#: over world x capacity) also get their structures realised with whole passes (``fill``'s
+#: ``whole_passes``): with one or two passes per rank, charging a pass fractionally misprices a
+#: slot that spills into a second pass by up to a whole ``fixed_seconds`` (measured: 4-5 ms of
+#: a 46 ms step on 64 ranks at capacity 2,048, where dyncp lost to Megatron's scheduler).
+WHOLE_PASS_LOAD = 2.0
 
 
 class GreedyConstructor:
@@ -265,6 +272,7 @@ class GreedyConstructor:
         targets: list[float],
         passes: bool = True,
         eff: np.ndarray | None = None,
+        whole_passes: bool = False,
     ) -> StepPlan:
         """Pour the CP-1 sequences into the waves up to ``targets`` and realise the plan.
 
@@ -279,8 +287,16 @@ class GreedyConstructor:
         class). Slots of one size in one wave then differ only by load, so each class keeps a
         heap and a placement looks at one candidate per class. ``passes=False`` charges the
         tables' token share of the pass constant instead (the fluid model's own accounting):
-        measured better on thousands of ranks, slightly worse on 64.
+        measured better on thousands of ranks, slightly worse on 64. ``whole_passes=True``
+        charges every slot the whole passes its tokens need (the micro-batches it will pack
+        into): exact where slots hold one or two passes (sparse batches), a poorer heap proxy
+        where they hold many.
         """
+
+        def n_passes(x: np.ndarray | float) -> np.ndarray | float:
+            x = np.maximum(1.0, x)
+            return np.ceil(x - 1e-9) if whole_passes else x
+
         world = self.topology.world
         cap = self.topology.capacity
         model = self.model
@@ -299,7 +315,11 @@ class GreedyConstructor:
         else:
             marg, step_fixed, fixed = self.seconds, 0.0, [0.0] * len(fixed)
         wave_groups = [*wave_groups, []]  # the overflow wave last, target 0
-        targets = [*(t + step_fixed for t in targets), 0.0]
+        # Whole passes price each slot as it will run, so a wave's target is its fluid level
+        # (raised below to its slowest long group's exact time) without the slack of a pass at
+        # size 1 that converts a fluid level into one priced with shares.
+        slack = 0.0 if whole_passes else step_fixed
+        targets = [*(t + slack for t in targets), 0.0]
         n_waves = len(wave_groups)
         slot_size: list[int] = []
         slot_items: list[list[int]] = []
@@ -317,12 +337,12 @@ class GreedyConstructor:
                 slot_tokens.append(float(pad[row, members].sum()))
                 # A long group starts at its members' exact times alone (ring communication the
                 # additive tables leave out), never below their marginal seconds.
-                passes_now = fixed[row] * max(1.0, slot_tokens[j] / unit[row, 0])
+                passes_now = fixed[row] * float(n_passes(slot_tokens[j] / unit[row, 0]))
                 exact = float(self.alone[row, members].sum()) - passes_now
                 slot_marg.append(max(float(marg[row, members].sum()), exact))
                 load = 0.0
                 if members:
-                    load = slot_marg[j] + fixed[row] * max(1.0, slot_tokens[j] / unit[row, 0])
+                    load = slot_marg[j] + passes_now
                 level[w] = max(level[w], load)
                 classes.setdefault((w, row), []).append((load, j))
         slot_wave = [
@@ -337,6 +357,7 @@ class GreedyConstructor:
             level,
             (marg, pad, fixed, unit),
             eff,
+            n_passes,
         )
         for heap in classes.values():
             heapq.heapify(heap)
@@ -356,6 +377,8 @@ class GreedyConstructor:
             for w, row in keys:
                 j = classes[(w, row)][0][1]
                 n_pass = max(1.0, (slot_tokens[j] + p_i[row]) / unit_l[row])
+                if whole_passes:
+                    n_pass = math.ceil(n_pass - 1e-9)
                 new = slot_marg[j] + m_i[row] + fixed[row] * n_pass
                 key = (max(new - level[w], 0.0), s_i[row], new, w * width + row)
                 if best is None or key < best:
@@ -385,6 +408,7 @@ class GreedyConstructor:
         level: list[float],
         tables: tuple[np.ndarray, np.ndarray, list[float], np.ndarray],
         eff: np.ndarray | None,
+        n_passes: Callable[[np.ndarray | float], np.ndarray | float],
     ) -> list[int]:
         """Pour into the long groups' room below their wave's level, longest first, the short
         sequences that run there at least as efficiently as the fluid model assumed (``eff``:
@@ -404,7 +428,7 @@ class GreedyConstructor:
         waves = np.asarray([slot_wave[j] for j in rings])
         loads = np.asarray(
             [
-                slot_marg[j] + fixed[r] * max(1.0, slot_tokens[j] / unit[r, 0])
+                slot_marg[j] + fixed[r] * float(n_passes(slot_tokens[j] / unit[r, 0]))
                 for j, r in zip(rings, rows)
             ]
         )
@@ -440,7 +464,7 @@ class GreedyConstructor:
                 r = rows[ok]
                 tokens = np.asarray([slot_tokens[rings[x]] for x in ok]) + pad[r, i]
                 margs = np.asarray([slot_marg[rings[x]] for x in ok]) + marg[r, i]
-                new = margs + np.asarray(fixed)[r] * np.maximum(1.0, tokens / unit[r, 0])
+                new = margs + np.asarray(fixed)[r] * n_passes(tokens / unit[r, 0])
                 after = np.asarray(level)[waves[ok]] - new
                 fits = np.flatnonzero(after >= 0)
                 if len(fits):
@@ -449,8 +473,8 @@ class GreedyConstructor:
                     slot_items[j].append(i)
                     slot_marg[j] += marg[rows[x], i]
                     slot_tokens[j] += pad[rows[x], i]
-                    load = slot_marg[j] + fixed[rows[x]] * max(
-                        1.0, slot_tokens[j] / unit[rows[x], 0]
+                    load = slot_marg[j] + fixed[rows[x]] * float(
+                        n_passes(slot_tokens[j] / unit[rows[x], 0])
                     )
                     room[x] = level[waves[x]] - load
                     heap = classes[(int(waves[x]), int(rows[x]))]
@@ -461,7 +485,11 @@ class GreedyConstructor:
         return sorted(left, key=order.__getitem__)
 
     def realise(
-        self, structure: Structure, search: StructureSearch, passes: bool = True
+        self,
+        structure: Structure,
+        search: StructureSearch,
+        passes: bool = True,
+        whole_passes: bool = False,
     ) -> StepPlan:
         """A plan of ``structure``: long sequences in their groups, short ones poured in."""
         _, levels, extra = search.levels(structure)
@@ -473,7 +501,14 @@ class GreedyConstructor:
         if extra:
             wave_groups.append([])
         eff = search.eff if RING_FIRST else None
-        return self.fill(wave_groups, search.short.tolist(), list(levels), passes, eff)
+        return self.fill(
+            wave_groups, search.short.tolist(), list(levels), passes, eff, whole_passes
+        )
+
+    def sparse(self) -> bool:
+        """Whether the batch fills at most ``WHOLE_PASS_LOAD`` passes per rank on average."""
+        tokens = float(CostModel.padded(1, self.lengths).sum())
+        return tokens <= WHOLE_PASS_LOAD * self.topology.world * self.topology.capacity
 
     def overshoot(
         self, plan: StepPlan, structure: Structure, search: StructureSearch
@@ -571,6 +606,9 @@ class GreedyConstructor:
         plan = self.realise(first, search)
         realised = {first: plan}
         yield plan
+        whole = self.sparse()
+        if whole:
+            yield self.realise(first, search, whole_passes=True)
         done = {first}
         for round_ in range(MISFIT_ROUNDS + 1):
             found: dict[Structure, float] = {first: search.levels(first)[0]} if not round_ else {}
@@ -584,6 +622,8 @@ class GreedyConstructor:
                 done.add(s)
                 realised[s] = self.realise(s, search)
                 yield realised[s]
+                if whole:
+                    yield self.realise(s, search, whole_passes=True)
             misfit = search.misfits(best[0]) if best else np.zeros(0, np.int64)
             if best and best[0] in realised:
                 misfit = np.union1d(misfit, self.overshoot(realised[best[0]], best[0], search))

@@ -21,6 +21,12 @@ the user improver, head splits, the baselines' own choices) and every reported f
 (``predicted_step_seconds``, ``imbalance``, ``efficiency``; ``stats["timing"]`` names it) uses that
 timing. ``timing="barrier"`` prices a barrier after every wave, as before, for comparison.
 
+Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
+share of the step the batch's closed-form lower bound predicts, decided before planning, so the
+whole pipeline above (the constructor first, then the improvement) runs within it. The baseline
+policies' plans (``dyncp.planner.baselines``) are built first and kept as candidates, so the
+plan handed out is never slower than theirs under the planner's model and ``timing``.
+
 Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
 with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
@@ -39,6 +45,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,7 +53,9 @@ from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.assignment import Assignment
+from dyncp.planner.baselines import BaselineCandidates
 from dyncp.planner.bound import lower_bound
+from dyncp.planner.budget import StepBudget
 from dyncp.planner.cpsat import CpSatImprover
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
@@ -76,6 +85,21 @@ Improver = Callable[[StepPlan, CostModel], StepPlan]
 
 log = logging.getLogger(__name__)
 
+#: Share of the construction's wall time the baseline candidates may take (``_baseline_deadline``):
+#: all four take 13-17 ms at 64 ranks and 512 sequences on a quiet core, three times that under
+#: load, and a skipped baseline is a step on which dyncp may lose to it; the construction always
+#: realises its first structure, whatever is left.
+BASELINE_SHARE = 0.75
+
+
+class _Baseline(NamedTuple):
+    """A baseline's plan as rings, as handed out, and its seconds (``Planner.timing``)."""
+
+    name: str
+    rings: StepPlan
+    final: StepPlan
+    seconds: float
+
 
 def nested_core(topology: Topology) -> Topology | None:
     """The topology on the menu's powers of two when the menu's sizes do not nest (some size
@@ -100,7 +124,7 @@ class Planner:
             ``static``).
         group_sizes: allowed CP sizes (default: powers of two dividing world).
         time_limit: seconds the dyncp policy may spend per step (deterministic units in
-            deterministic mode).
+            deterministic mode); default 0.1. Not with ``budget``.
         deterministic: reproducible CP-SAT (see the module docstring).
         cpsat: the CP-SAT improver; ``None`` disables it. Default: ``CpSatImprover()``.
         min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
@@ -123,6 +147,12 @@ class Planner:
             ``"barrier"`` (the wave-barrier price, kept for comparison). Every candidate, every
             improvement and the baselines are compared and reported under it, and the tight
             bound is proven for it (a dataflow bound also bounds barrier plans).
+        budget: plan each step for a share of its predicted seconds instead of a fixed
+            ``time_limit`` (``dyncp.planner.budget``); ``plan(lengths, budget=...)`` overrides
+            it per call.
+        baselines: build the baseline policies' plans as candidates of the dyncp policies
+            (``dyncp.planner.baselines``), so that the plan handed out is never slower than
+            theirs; ``False`` shows what the search alone finds.
     """
 
     def __init__(
@@ -135,7 +165,7 @@ class Planner:
         policy: str = "dyncp",
         max_length: int | None = None,
         group_sizes: Sequence[int] = (),
-        time_limit: float = 0.1,
+        time_limit: float | None = None,
         deterministic: bool = False,
         cpsat: CpSatImprover | None | str = "default",
         min_improve_seconds: float = 0.2,
@@ -146,8 +176,11 @@ class Planner:
         query_heads: int | None = None,
         kv_heads: int | None = None,
         timing: str = "dataflow",
+        budget: StepBudget | None = None,
+        baselines: bool = True,
     ) -> None:
         self.timing = check_timing(timing)
+        time_limit = self._check_budget(time_limit, budget)
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
         if not reserve_seconds >= 0:
@@ -161,6 +194,7 @@ class Planner:
             )
         if not time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
+        self.budget = budget
         self.model = model
         splits = any(int(u) > 1 for u in head_sizes)
         shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
@@ -195,6 +229,9 @@ class Planner:
         self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
         self._tail_seconds = 0.0  # validation + bounds of the previous call (wall clock)
         self.solver_status_counts: Counter[str] = Counter()
+        self.baselines: BaselineCandidates | None = None
+        if baselines and policy in ("dyncp", HYBRID_POLICY):
+            self.baselines = BaselineCandidates(self.topology, max_length=max_length)
         self.static_cp: int | None = None
         if policy in ("static", "dp-balanced"):
             if max_length is None:
@@ -287,14 +324,23 @@ class Planner:
         return split_plan, split
 
     def _run_cpsat(
-        self, plan: StepPlan, cost: PlanCost, greedy: GreedyConstructor, start: float, stats: dict
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        greedy: GreedyConstructor,
+        start: float,
+        stats: dict,
+        limit: float | None = None,
     ) -> tuple[StepPlan, PlanCost]:
+        """CP-SAT on ``plan`` for what is left of ``limit`` (default ``time_limit``) seconds
+        since ``start``; in deterministic mode ``limit`` deterministic units."""
         assert self.cpsat is not None
+        limit = self.time_limit if limit is None else limit
         if self.deterministic:
-            budget = self.time_limit
+            budget = limit
             run = budget >= self.min_improve_seconds
         else:
-            left = self.time_limit - (time.perf_counter() - start)
+            left = limit - (time.perf_counter() - start)
             run = left >= self.min_improve_seconds
             # Keep a reserve for realising, validating and pricing the solver's answer.
             budget = 0.9 * left - 0.02
@@ -373,34 +419,149 @@ class Planner:
             return plan, cost
         return self._keep_better(plan, cost, candidate, "improver")
 
+    # ------------------------------------------------------------------------ budget, baselines
+    @staticmethod
+    def _check_budget(time_limit: float | None, budget: StepBudget | None) -> float:
+        """``time_limit`` (default 0.1 s), or the budget's floor (what a policy without a
+        budget, or a planner asked for its ``time_limit``, uses): the two are exclusive."""
+        if budget is None:
+            return 0.1 if time_limit is None else time_limit
+        if not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        if time_limit is not None:
+            raise ValueError(
+                "give time_limit (a fixed limit per step) or budget (a share of the predicted "
+                "step, at least budget.floor), not both"
+            )
+        return budget.floor
+
+    def _budget_seconds(
+        self, budget: StepBudget | None, predicted: float | None, stats: dict
+    ) -> float:
+        """The step's whole planning limit: ``time_limit``, or the budget of the step
+        ``predicted`` (seconds: the batch's closed-form lower bound, a pure function of the
+        batch, so deterministic mode stays deterministic)."""
+        if budget is None or predicted is None:
+            return self.time_limit
+        seconds = budget.seconds(predicted)
+        stats["budget"] = {
+            "seconds": seconds,
+            "predicted_step_seconds": predicted,
+            "share": budget.share,
+            "cap": budget.cap,
+            "floor": budget.floor,
+            "units": "deterministic" if self.deterministic else "wall",
+        }
+        return seconds
+
+    @staticmethod
+    def _baseline_deadline(start: float, deadline: float | None) -> float | None:
+        """The baselines are built first (milliseconds at 64 ranks: the search may overrun
+        its deadline, they must not be skipped for it), within ``BASELINE_SHARE`` of the
+        construction's time; those expected to take longer are skipped."""
+        if deadline is None:
+            return None
+        return start + BASELINE_SHARE * max(deadline - start, 0.0)
+
+    def _build_baselines(self, lengths: np.ndarray, deadline: float | None) -> list[_Baseline]:
+        """The baseline plans built by ``deadline`` (all in deterministic mode): each as rings
+        (what the search continues from) and as handed out (a hybrid policy's with its splits
+        chosen), with its seconds under the model and the planner's timing."""
+        if self.baselines is None:
+            return []
+        out = []
+        for name, rings in self.baselines.plans(lengths, self.model, deadline=deadline):
+            rings.policy = self.policy
+            final = rings
+            if self.policy == HYBRID_POLICY:
+                final = choose_splits(rings, self.model)
+                final.policy = self.policy
+            seconds = self._seconds(final, self.model)
+            out.append(_Baseline(name, rings, final, seconds))
+        return out
+
+    def _take_baseline(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[_Baseline],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The constructed plan, or the fastest baseline where it is faster (under the
+        planner's timing, as the search prices it): the improvement then starts from the
+        better of them."""
+        if not baselines:
+            return plan, cost
+        stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
+        mine = self._seconds(plan, self._pricing)
+        priced = [(self._seconds(b.rings, self._pricing), n) for n, b in enumerate(baselines)]
+        seconds, n = min(priced)
+        if seconds >= mine:
+            return plan, cost
+        stats["chosen"] = f"baseline:{baselines[n].name}"
+        return baselines[n].rings, self._price(baselines[n].rings, self._pricing)
+
+    def _never_worse(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[_Baseline],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The final plan, or the fastest baseline where the final plan is slower under the
+        planner's timing (an improvement accepted under another objective can be)."""
+        best = min(baselines, key=lambda b: b.seconds)
+        if best.seconds >= self._seconds(plan, self.model):
+            return plan, cost
+        stats["chosen"] = f"baseline:{best.name}"
+        return best.final, self._price(best.final, self.model)
+
     # ------------------------------------------------------------------------------ API
-    def plan(self, lengths: Sequence[int] | np.ndarray) -> StepPlan:
-        """A validated plan for one global batch, with predictions and timings in ``stats``."""
+    def plan(
+        self, lengths: Sequence[int] | np.ndarray, *, budget: StepBudget | None = None
+    ) -> StepPlan:
+        """A validated plan for one global batch, with predictions and timings in ``stats``.
+
+        ``budget`` (default: the planner's own, else ``time_limit``): plan this step with a
+        share of its predicted duration (``dyncp.planner.budget``; dyncp policies only).
+        """
         start = time.perf_counter()
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
-        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * self.time_limit)
-        deadline = None if self.deterministic else start + self.time_limit - reserve
+        if budget is not None and not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        budget = budget if budget is not None else self.budget
+        stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
+        simple: float | None = None  # the closed-form bound, when the budget follows it
+        if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
+            simple = lower_bound(lengths, self.topology, self.search_model)
+        limit = self._budget_seconds(budget, simple, stats)
+        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * limit)
+        deadline = None if self.deterministic else start + limit - reserve
+        baselines = self._build_baselines(lengths, self._baseline_deadline(start, deadline))
         plan, greedy = self._construct(lengths, deadline)
         construct_seconds = time.perf_counter() - start
-        stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
         cost = self._price(plan, self._pricing)
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
+            plan, cost = self._take_baseline(plan, cost, baselines, stats)
             if self.cpsat is not None:
-                plan, cost = self._run_cpsat(plan, cost, greedy, start, stats)
+                plan, cost = self._run_cpsat(plan, cost, greedy, start, stats, limit)
             if self.improver is not None:
                 plan, cost = self._run_improver(plan, cost)
         if self.policy == HYBRID_POLICY:
             plan = choose_splits(plan, self.model)
             plan.policy = self.policy
             cost = self._price(plan, self.model)
+        if baselines:
+            plan, cost = self._never_worse(plan, cost, baselines, stats)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
-        simple = lower_bound(lengths, self.topology, self.search_model)
+        if simple is None:
+            simple = lower_bound(lengths, self.topology, self.search_model)
         bound, bound_info = simple, {"kind": "simple"}
         if self.bound == "tight":
             lp = lp_lower_bound(

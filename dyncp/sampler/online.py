@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from dyncp.agreement import agree
 from dyncp.plan import StepPlan, plan_digest
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.sampler.microbatches import MicroBatchIndices, rank_microbatches
 from dyncp.service import check_plan, plan_batch
@@ -86,8 +87,7 @@ class RolloutBatch:
         for name, x in (("ids", a), ("lengths", s)):
             if x.ndim != 1 or (x.size and x.dtype.kind not in "iu"):
                 raise ValueError(
-                    f"{name} must be a 1-D sequence of integers, got {x.dtype} with shape "
-                    f"{x.shape}"
+                    f"{name} must be a 1-D sequence of integers, got {x.dtype} with shape {x.shape}"
                 )
         if a.size == 0:
             raise ValueError("an online batch needs at least one sequence, got none")
@@ -106,7 +106,9 @@ class RolloutBatch:
                 shown = _show([f"{i} ({n} tokens)" for i, n in zip(a[bad], s[bad])])
                 hint = (
                     "; cap the generation length (prompt + response) or plan with a larger "
-                    "capacity or world" if rule.startswith("at most") else ""
+                    "capacity or world"
+                    if rule.startswith("at most")
+                    else ""
                 )
                 raise ValueError(
                     f"{int(bad.sum())} sequences have lengths outside what the topology admits "
@@ -180,6 +182,12 @@ class OnlinePlanner:
             for a new group is 30 minutes): its collectives run in the planning thread. With
             it, ``root`` plans and broadcasts; without it every rank plans alone.
         root: the rank of ``group`` that plans.
+        budget: how long each step is planned: ``share`` x its predicted seconds within
+            ``[floor, cap]`` (``dyncp.planner.budget``; default 0.25 within [0.1 s, 2 s]: step
+            k+1 is planned while step k trains, so a quarter of a step leaves the plan ready
+            well before it is needed). A deterministic planner counts it in deterministic units
+            (every rank planning alone still gets the same plan). ``None``: the planner's own
+            ``time_limit`` or budget.
 
     Raises:
         ValueError: rank out of range, a group of another size, or several ranks planning alone
@@ -193,7 +201,11 @@ class OnlinePlanner:
         rank: int,
         group: ProcessGroup | None = None,
         root: int = 0,
+        budget: StepBudget | None = DEFAULT_STEP_BUDGET,
     ) -> None:
+        if budget is not None and not isinstance(budget, StepBudget):
+            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
+        self.budget = budget
         world = planner.topology.world
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
@@ -233,7 +245,7 @@ class OnlinePlanner:
 
     def _plan(self, step: int, batch: RolloutBatch) -> tuple[StepPlan, int]:
         if self.group is None:
-            plan = plan_batch(self.planner, batch.ids, batch.lengths)
+            plan = plan_batch(self.planner, batch.ids, batch.lengths, budget=self.budget)
         else:
             agree(self.group, where=(step,), digest=batch.digest(), label=f"online step {step}")
             plan = self._broadcast(step, batch)
@@ -246,7 +258,7 @@ class OnlinePlanner:
         payload = b""
         if dist.get_rank(self.group) == self.root:
             try:
-                plan = plan_batch(self.planner, batch.ids, batch.lengths)
+                plan = plan_batch(self.planner, batch.ids, batch.lengths, budget=self.budget)
                 payload = b"P" + plan.to_json().encode()
             except Exception as exc:  # every rank must hear of it, not wait for a plan
                 payload = b"E" + f"{type(exc).__name__}: {exc}".encode()

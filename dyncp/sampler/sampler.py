@@ -23,6 +23,7 @@ from dyncp.model_channel import ModelChannel, ServiceCalibration
 from dyncp.plan import StepPlan
 from dyncp.plan_auth import RUN_ENV, PlanSigner
 from dyncp.plan_slice import PlanSlice, SliceUnavailable, check_slice_header
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
@@ -132,6 +133,9 @@ class DynamicCPSampler:
             ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
             :class:`~dyncp.plan_slice.PlanSlice`. Not with ``calibrate`` (measurements need the
             whole plan).
+        budget: how long each step is planned, by the plan service or the local lookahead
+            thread: a share of its predicted seconds (``dyncp.planner.budget``; default 0.25
+            within [0.1 s, 2 s]). ``None``: the planner's own ``time_limit``.
         run_id: the run the plan records are bound to (a record of an earlier run of the same
             job does not verify; see ``dyncp.plan_auth``). Default: ``$DYNCP_RUN_ID``; else,
             when a rank of the job serves in-process (the default), an id drawn for this run and
@@ -175,6 +179,7 @@ class DynamicCPSampler:
         calibrate: bool | OnlineCalibrator = False,
         run_id: str | None = None,
         slices: bool = False,
+        budget: StepBudget | None = DEFAULT_STEP_BUDGET,
     ) -> None:
         topo = planner.topology
         if slices and (store is None or calibrate is not False):
@@ -232,7 +237,7 @@ class DynamicCPSampler:
         self.group = None if self.agreement is None else self.agreement.group
         self._source: LocalPlans | StorePlans
         if store is None:
-            self._source = LocalPlans(self.schedule, planner, lookahead)
+            self._source = LocalPlans(self.schedule, planner, lookahead, budget=budget)
         else:
             serves = rank == 0 if serve is None else bool(serve)
             self.run_id = _run_id(run_id, self.agreement, serves)
@@ -273,6 +278,7 @@ class DynamicCPSampler:
                     calibration=self.calibration,
                     run_id=self.run_id,
                     slices=slices,
+                    budget=budget,
                 )
             self._source = StorePlans(client, service)
         self.agree_ahead = agree_ahead

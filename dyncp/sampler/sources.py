@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dyncp.plan import StepPlan
+from dyncp.planner.budget import StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.sampler.schedule import BatchSchedule
 from dyncp.service import Fetched, PlanClient, PlanService, lookahead_targets, plan_batch
@@ -71,13 +72,21 @@ class SamplerCounters:
 class LocalPlans:
     """Plans in this process, ``lookahead`` steps ahead in one background thread."""
 
-    def __init__(self, schedule: BatchSchedule, planner: Planner, lookahead: int) -> None:
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        planner: Planner,
+        lookahead: int,
+        *,
+        budget: StepBudget | None = None,
+    ) -> None:
         self.schedule, self.planner, self.lookahead = schedule, planner, lookahead
+        self.budget = budget  # the planner's own limit when None
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[tuple[int, int], Future[StepPlan]] = {}
 
     def _plan(self, epoch: int, step: int) -> StepPlan:
-        return plan_batch(self.planner, *self.schedule.batch(epoch, step))
+        return plan_batch(self.planner, *self.schedule.batch(epoch, step), budget=self.budget)
 
     def fetch(self, epoch: int, step: int) -> Fetched:
         if not self.lookahead:
