@@ -411,23 +411,24 @@ class GreedyConstructor:
             b_tie = -1
             for head in heads:
                 heap, w, m_r, p_r, s_r, f, u, tie = head
-                j = heap[0][1]
                 if plain:  # f * passes == 0.0: the load is the sum alone
-                    new = slot_marg[j] + m_r[n]
+                    new = slot_marg[heap[0][1]] + m_r[n]
                 else:
+                    j = heap[0][1]
                     new = slot_marg[j] + m_r[n] + f * max(1.0, (slot_tokens[j] + p_r[n]) / u)
-                over = max(new - level[w], 0.0)
-                if b_tie < 0 or over < b_over:
-                    better = True
-                elif over > b_over:
-                    better = False
-                else:
-                    spent = s_r[n]
-                    better = spent < b_spent or (
-                        spent == b_spent and (new < b_new or (new == b_new and tie < b_tie))
-                    )
-                if better:
-                    b_over, b_spent, b_new, b_tie, home = over, s_r[n], new, tie, head
+                over = new - level[w]
+                if over < 0.0:  # max(over, 0.0)
+                    over = 0.0
+                if b_tie >= 0:  # not better than the best so far: next
+                    if over > b_over:
+                        continue
+                    if over == b_over:
+                        spent = s_r[n]
+                        if spent > b_spent or (
+                            spent == b_spent and (new > b_new or (new == b_new and tie > b_tie))
+                        ):
+                            continue
+                b_over, b_spent, b_new, b_tie, home = over, s_r[n], new, tie, head
             heap, w = home[0], home[1]
             j = heapq.heapreplace(heap, (b_new, heap[0][1]))[1]
             slot_items[j].append(i)
