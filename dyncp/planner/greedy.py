@@ -367,10 +367,11 @@ class GreedyConstructor:
 
         The placement of 130,000 sequences on 16,384 ranks runs here, one Python iteration per
         sequence and class, so the loop touches plain lists and floats only: per class its heap,
-        wave, table column and constants bound once; per sequence its row of each table,
-        restricted to the CP sizes some class has (a handful of the allowed sizes). The order
-        of sequences, the keys and their ties are those of the plain formulation (key = (rise
-        above the wave's level, rank-seconds, new load, wave x sizes + row)), so the plans are.
+        wave, constants and its CP size's row of each table (one plain list per row, for the
+        sizes some class has) bound once. The order of sequences, the keys and their ties are
+        those of the plain formulation (key = (rise above the wave's level, rank-seconds, new
+        load, wave x sizes + row), the least wins; ``tests/test_deferred_bound.py`` keeps it as
+        the reference), so the plans are.
         """
         slot_items, slot_marg, slot_tokens = slots
         marg, pad, fixed, unit = tables
