@@ -130,8 +130,11 @@ class Planner:
             after ``plan()`` returns (module docstring; ``wait_bound``). Only the tight bound is
             ever deferred.
         reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
-            pricing (at most half of ``time_limit``); at least what they took in the previous
-            call (the LP bound takes seconds at 16,384 ranks), still at most half.
+            pricing (at most half of ``time_limit``); at least 1.1 x what ran after its deadline
+            in the previous call (pricing, validation, a synchronous bound, the constructor's
+            own overshoot; on the first call an estimate from the batch's size:
+            ``TAIL_SECONDS_PER_SEQUENCE``, plus ``BOUND_SECONDS_PER_SEQUENCE`` when the bound
+            is not deferred), still at most half.
         head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
             ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
             split and then gives each group its fastest split (``dyncp.planner.head_split``);
@@ -451,7 +454,11 @@ class Planner:
             )
             plan.stats.update({k: v for k, v in fields.items() if k != "bound_seconds"})
         t2 = time.perf_counter()
-        self._tail_seconds = price_seconds + (t2 - t_split)
+        # What ran after the constructor's deadline and is not a solver's budget: the
+        # constructor's own overshoot (realising its last improvement), pricing, validation,
+        # synchronous bounds. The next call's constructor leaves that much (x 1.1) in reserve.
+        overshoot = max(t_construct - deadline, 0.0) if deadline is not None else 0.0
+        self._tail_seconds = overshoot + price_seconds + (t2 - t_split)
         plan.stats["timings"].update(
             construct_seconds=t_construct - start,
             price_seconds=price_seconds + (t0 - t_split),
