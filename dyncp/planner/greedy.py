@@ -494,6 +494,12 @@ class GreedyConstructor:
         place: dict[int, int] = {}
         for key in {(int(w), int(r)) for w, r in zip(waves, rows)}:
             place.update((jj, p) for p, (_, jj) in enumerate(classes[key]))
+        # Per sequence its row of ``need`` (contiguous), read per ring through its size; the
+        # rooms with those at most 0 as -inf (no need is -inf), so one comparison selects the
+        # rings with room > 0 and room >= need; their maximum, kept up to date.
+        need_rows = np.ascontiguousarray(need.T)
+        room_open = np.where(room > 0, room, -np.inf)
+        room_max = float(room.max())
         for n, q in enumerate(by_length):
             i = int(pool[q])
             # Past the deadline the rest is poured as usual (a sound plan, sooner): at 16,384
@@ -501,10 +507,10 @@ class GreedyConstructor:
             if n % 256 == 255 and self.deadline is not None and time.perf_counter() > self.deadline:
                 left.extend(int(pool[x]) for x in by_length[n:])
                 break
-            if least[q] > room.max():
+            if least[q] > room_max:
                 left.append(i)
                 continue
-            ok = np.flatnonzero((need[ring_size, q] <= room) & (room > 0))
+            ok = np.flatnonzero(need_rows[q].take(ring_size) <= room_open)
             if len(ok):
                 r = rows[ok]
                 tokens = ring_tokens[ok] + pad[r, i]
@@ -522,7 +528,10 @@ class GreedyConstructor:
                     load = slot_marg[j] + fixed[rows[x]] * max(
                         1.0, slot_tokens[j] / unit[rows[x], 0]
                     )
-                    room[x] = level[waves[x]] - load
+                    before, room[x] = room[x], level[waves[x]] - load
+                    room_open[x] = room[x] if room[x] > 0 else -np.inf
+                    if room[x] > room_max or before == room_max:
+                        room_max = float(room.max())
                     classes[(int(waves[x]), int(rows[x]))][place[j]] = (load, j)
                     continue
             left.append(i)
