@@ -19,7 +19,8 @@ The worker holds the GIL while it builds the LP (Python and numpy) and releases 
 OR-tools solves it (measured: a busy caller thread was never paused more than 0.22 s during a
 16,384-rank bound on a loaded 2-core machine). A caller that plans back to back on one core
 therefore shares that core with the previous step's bound; one that waits for it (``wait``)
-between steps, or a step that lasts longer than the bound, does not.
+between steps, or a step that lasts longer than the bound, does not. The worker is not a daemon:
+a process that ends with a bound pending finishes it first (seconds at 16,384 ranks).
 """
 
 from __future__ import annotations
