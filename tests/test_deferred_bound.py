@@ -4,8 +4,10 @@ plain formulation it replaced."""
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
+import pickle
 import threading
 
 import numpy as np
@@ -177,3 +179,16 @@ def test_a_2048_rank_step_is_planned_valid_with_its_bound_after() -> None:
     assert st["gap_to_lower_bound"] == pytest.approx(
         st["predicted_step_seconds"] / st["lower_bound_seconds"] - 1.0, rel=1e-12
     )
+
+
+def test_a_planner_with_a_deferred_bound_still_pickles() -> None:
+    """Planners travel to other processes (spawned workers): the worker thread does not."""
+    p = planner(defer_bound="always")
+    plan = p.plan(batch(40, seed=5))
+    clone = pickle.loads(pickle.dumps(p))
+    twin = copy.deepcopy(p)
+    p.wait_bound(plan)
+    for other in (clone, twin):
+        again = other.plan(batch(40, seed=5))
+        other.wait_bound(again)
+        assert again.stats["lower_bound_seconds"] == plan.stats["lower_bound_seconds"]

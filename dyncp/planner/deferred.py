@@ -61,6 +61,14 @@ class DeferredBounds:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[StepPlan, Future[None]]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy: a planner sent to another process) starts with no worker
+        and nothing pending: threads and locks do not travel."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
     def submit(
         self,
         plan: StepPlan,
