@@ -424,6 +424,9 @@ class Metrics:
             plan: a plan from ``Planner.plan`` (its ``stats`` carry the predictions).
             cost: the plan's ``evaluate_plan`` result; used only with ``rank_label=True``.
 
+        A plan whose lower bound is deferred and not written yet (``None``: ``Planner``'s
+        ``defer_bound``) leaves the bound and gap gauges at their previous values.
+
         Raises:
             ValueError: the policy is not allowed, or ``plan.stats`` lacks a prediction.
         """
@@ -433,16 +436,16 @@ class Metrics:
             imbalance = float(st["imbalance"])
             seconds = float(st["predicted_step_seconds"])
             plan_seconds = float(st["timings"]["plan_seconds"])
-            gap = float(st["gap_to_lower_bound"])
-            bound = float(st["lower_bound_seconds"])
+            gap, bound = st["gap_to_lower_bound"], st["lower_bound_seconds"]
         except KeyError as exc:
             raise ValueError(
                 f"plan.stats lacks {exc.args[0]!r}: observe_step needs a plan from Planner.plan"
             ) from None
         self._observe_balance(policy, "predicted", imbalance, seconds)
         self.plan_seconds.labels(policy).observe(plan_seconds)
-        self.gap_to_lower_bound.labels(policy).set(gap)
-        self.lower_bound_seconds.labels(policy).set(bound)
+        if gap is not None and bound is not None:  # None: a deferred bound, not done yet
+            self.gap_to_lower_bound.labels(policy).set(float(gap))
+            self.lower_bound_seconds.labels(policy).set(float(bound))
         solver = st.get("solver")
         if isinstance(solver, dict) and "status" in solver:
             status = str(solver["status"]).split(":")[0]
@@ -537,8 +540,12 @@ class Metrics:
     ) -> None:
         """Count what online calibration contained since the last call: refits that failed,
         and measurements refused (see ``dyncp_cost_model_calibration_refused``)."""
-        for name, value in (("failed", failed), ("record", record), ("entry", entry),
-                            ("dropped", dropped)):
+        for name, value in (
+            ("failed", failed),
+            ("record", record),
+            ("entry", entry),
+            ("dropped", dropped),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if failed:

@@ -409,7 +409,7 @@ class StepPlan:
             raise PlanError(
                 "exactly-once", f"sequences scheduled twice: {sorted(dup)}", sorted(dup)
             )
-        missing = [i for i in range(n) if i not in seen]
+        missing = [] if len(seen) == n else [i for i in range(n) if i not in seen]
         if missing:
             raise PlanError("exactly-once", f"sequences never scheduled: {missing}", missing)
 
@@ -464,6 +464,10 @@ class StepPlan:
             raise PlanError("empty-microbatch", f"{where} is empty", ())
         valid = [i for i in mb.seq_ids if 0 <= i < len(self.lengths)]
         lengths = [self.lengths[i] for i in valid]
+        if topo.memory_tokens(lengths, group.size) <= topo.capacity:
+            # Within capacity, each sequence alone fits this group, whose size is allowed
+            # (_check_group), so none needs a larger one: the min-cp check below cannot fail.
+            return
         too_small = [
             i
             for i, s in zip(valid, lengths)

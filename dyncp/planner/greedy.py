@@ -327,9 +327,10 @@ class GreedyConstructor:
         slot_tokens: list[float] = []
         classes: dict[tuple[int, int], list[tuple[float, int]]] = {}
         level = list(targets)
+        one = self.costs.index(1)
         for w, gs in enumerate(wave_groups):
             free = world - sum(g[0] for g in gs)
-            for size, members, _ in [*gs, *((1, [], 0.0) for _ in range(free))]:
+            for size, members, _ in gs:
                 row = self.costs.index(size)
                 j = len(slot_size)
                 slot_size.append(size)
@@ -345,6 +346,14 @@ class GreedyConstructor:
                     load = slot_marg[j] + passes_now
                 level[w] = max(level[w], load)
                 classes.setdefault((w, row), []).append((load, j))
+            if free:  # empty single ranks, in bulk: what the loop above gives an empty slot
+                j = len(slot_size)
+                slot_size += [1] * free
+                slot_items += [[] for _ in range(free)]
+                slot_tokens += [0.0] * free
+                slot_marg += [max(0.0, 0.0 - fixed[one] * 1.0)] * free
+                level[w] = max(level[w], 0.0)
+                classes.setdefault((w, one), []).extend((0.0, jj) for jj in range(j, j + free))
         slot_wave = [
             w
             for w, gs in enumerate(wave_groups)
@@ -361,36 +370,14 @@ class GreedyConstructor:
         )
         for heap in classes.values():
             heapq.heapify(heap)
-        keys = sorted(classes)
-        width = len(self.sizes)
-        # Per sequence, its column of each table as plain floats (scalar numpy indexing in
-        # this loop would dominate its time).
-        order = sorted(sand, key=lambda i: (-self.seconds[0, i], i))
-        cols = np.asarray(order, dtype=np.int64)
-        marg_t = marg[:, cols].T.tolist()
-        pad_t = pad[:, cols].T.tolist()
-        spent_t = (self.seconds[:, cols] * self.sizes[:, None]).T.tolist()
-        unit_l = unit[:, 0].tolist()
-        for n, i in enumerate(order):
-            best: tuple[float, float, float, int] | None = None
-            m_i, p_i, s_i = marg_t[n], pad_t[n], spent_t[n]
-            for w, row in keys:
-                j = classes[(w, row)][0][1]
-                n_pass = max(1.0, (slot_tokens[j] + p_i[row]) / unit_l[row])
-                if whole_passes:
-                    n_pass = math.ceil(n_pass - 1e-9)
-                new = slot_marg[j] + m_i[row] + fixed[row] * n_pass
-                key = (max(new - level[w], 0.0), s_i[row], new, w * width + row)
-                if best is None or key < best:
-                    best = key
-            assert best is not None
-            w, row = divmod(best[3], width)
-            _, j = heapq.heappop(classes[(w, row)])
-            heapq.heappush(classes[(w, row)], (best[2], j))
-            slot_items[j].append(i)
-            slot_marg[j] += m_i[row]
-            slot_tokens[j] += p_i[row]
-            level[w] = max(level[w], best[2])
+        self._pour(
+            sand,
+            classes,
+            level,
+            (slot_items, slot_marg, slot_tokens),
+            (marg, pad, fixed, unit),
+            whole_passes,
+        )
         specs: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_waves)]
         j = 0
         for w, gs in enumerate(wave_groups):
@@ -399,6 +386,94 @@ class GreedyConstructor:
                     specs[w].append((slot_size[j], slot_items[j]))
                 j += 1
         return self.assemble(specs)
+
+    def _pour(
+        self,
+        sand: list[int],
+        classes: dict[tuple[int, int], list[tuple[float, int]]],
+        level: list[float],
+        slots: tuple[list[list[int]], list[float], list[float]],
+        tables: tuple[np.ndarray, np.ndarray, list[float], np.ndarray],
+        whole_passes: bool = False,
+    ) -> None:
+        """``fill``'s pouring: each sequence of ``sand``, longest first, into the slot that keeps
+        the step lowest, then spends the fewest rank-seconds, then is least loaded (the heads
+        of the ``classes`` heaps); updates the slots, heaps and wave ``level`` in place.
+
+        The placement of 130,000 sequences on 16,384 ranks runs here, one Python iteration per
+        sequence and class, so the loop touches plain lists and floats only: per class its heap,
+        wave, constants and its CP size's row of each table (one plain list per row, for the
+        sizes some class has) bound once. The order of sequences, the keys and their ties are
+        those of the plain formulation (key = (rise above the wave's level, rank-seconds, new
+        load, wave x sizes + row), the least wins; ``tests/test_deferred_bound.py`` keeps it as
+        the reference), so the plans are.
+        """
+        slot_items, slot_marg, slot_tokens = slots
+        marg, pad, fixed, unit = tables
+        keys = sorted(classes)
+        width = len(self.sizes)
+        used = sorted({row for _, row in keys})
+        col = {row: c for c, row in enumerate(used)}
+        if not sand:
+            return
+        # Longest first, ties by id (a lexicographic sort: no per-element Python key).
+        ids = np.asarray(sand, dtype=np.int64)
+        cols = ids[np.lexsort((ids, -self.seconds[0, ids]))]
+        rows = np.asarray(used, dtype=np.int64)
+        # One plain list per table row (not one per sequence: 130,000 small lists would cost
+        # more to build, and to the garbage collector, than the loop itself).
+        marg_r = marg[np.ix_(rows, cols)].tolist()
+        pad_r = pad[np.ix_(rows, cols)].tolist()
+        spent_r = (self.seconds[np.ix_(rows, cols)] * self.sizes[rows, None]).tolist()
+        unit_l = unit[:, 0].tolist()
+        plain = not any(fixed[row] for row in used)  # no pass charge (``passes=False``)
+        heads = [
+            (
+                classes[(w, row)],
+                w,
+                marg_r[col[row]],
+                pad_r[col[row]],
+                spent_r[col[row]],
+                fixed[row],
+                unit_l[row],
+                w * width + row,
+            )
+            for w, row in keys
+        ]
+        for n, i in enumerate(cols.tolist()):
+            # The least key (rise above the level, rank-seconds, new load, tie) over the
+            # classes' heads, compared field by field as a tuple would be.
+            b_over = b_spent = b_new = 0.0
+            b_tie = -1
+            for head in heads:
+                heap, w, m_r, p_r, s_r, f, u, tie = head
+                if plain:  # f * passes == 0.0: the load is the sum alone
+                    new = slot_marg[heap[0][1]] + m_r[n]
+                else:
+                    j = heap[0][1]
+                    passes = max(1.0, (slot_tokens[j] + p_r[n]) / u)
+                    if whole_passes:  # ``fill``'s whole passes: each slot as it will run
+                        passes = math.ceil(passes - 1e-9)
+                    new = slot_marg[j] + m_r[n] + f * passes
+                over = new - level[w]
+                if over < 0.0:  # max(over, 0.0)
+                    over = 0.0
+                if b_tie >= 0:  # not better than the best so far: next
+                    if over > b_over:
+                        continue
+                    if over == b_over:
+                        spent = s_r[n]
+                        if spent > b_spent or (
+                            spent == b_spent and (new > b_new or (new == b_new and tie > b_tie))
+                        ):
+                            continue
+                b_over, b_spent, b_new, b_tie, home = over, s_r[n], new, tie, head
+            heap, w = home[0], home[1]
+            j = heapq.heapreplace(heap, (b_new, heap[0][1]))[1]
+            slot_items[j].append(i)
+            slot_marg[j] += home[2][n]
+            slot_tokens[j] += home[3][n]
+            level[w] = max(level[w], b_new)
 
     def _fill_rings(
         self,
@@ -449,6 +524,21 @@ class GreedyConstructor:
         least = need.min(axis=0).tolist()
         left: list[int] = []
         by_length = np.argsort(-self.seconds[0, pool], kind="stable").tolist()
+        # The rings' loads as arrays beside the slot lists (kept equal to them), and each ring's
+        # place in its class's list: a placement updates both in O(1).
+        ring_tokens = np.asarray([slot_tokens[j] for j in rings], dtype=np.float64)
+        ring_marg = np.asarray([slot_marg[j] for j in rings], dtype=np.float64)
+        fixed_a = np.asarray(fixed)
+        ring_level = np.asarray(level)[waves]
+        place: dict[int, int] = {}
+        for key in {(int(w), int(r)) for w, r in zip(waves, rows)}:
+            place.update((jj, p) for p, (_, jj) in enumerate(classes[key]))
+        # Per sequence its row of ``need`` (contiguous), read per ring through its size; the
+        # rooms with those at most 0 as -inf (no need is -inf), so one comparison selects the
+        # rings with room > 0 and room >= need; their maximum, kept up to date.
+        need_rows = np.ascontiguousarray(need.T)
+        room_open = np.where(room > 0, room, -np.inf)
+        room_max = float(room.max())
         for n, q in enumerate(by_length):
             i = int(pool[q])
             # Past the deadline the rest is poured as usual (a sound plan, sooner): at 16,384
@@ -456,16 +546,16 @@ class GreedyConstructor:
             if n % 256 == 255 and self.deadline is not None and time.perf_counter() > self.deadline:
                 left.extend(int(pool[x]) for x in by_length[n:])
                 break
-            if least[q] > room.max():
+            if least[q] > room_max:
                 left.append(i)
                 continue
-            ok = np.flatnonzero((need[ring_size, q] <= room) & (room > 0))
+            ok = np.flatnonzero(need_rows[q].take(ring_size) <= room_open)
             if len(ok):
                 r = rows[ok]
-                tokens = np.asarray([slot_tokens[rings[x]] for x in ok]) + pad[r, i]
-                margs = np.asarray([slot_marg[rings[x]] for x in ok]) + marg[r, i]
-                new = margs + np.asarray(fixed)[r] * n_passes(tokens / unit[r, 0])
-                after = np.asarray(level)[waves[ok]] - new
+                tokens = ring_tokens[ok] + pad[r, i]
+                margs = ring_marg[ok] + marg[r, i]
+                new = margs + fixed_a[r] * n_passes(tokens / unit[r, 0])
+                after = ring_level[ok] - new
                 fits = np.flatnonzero(after >= 0)
                 if len(fits):
                     x = int(ok[fits[np.argmin(after[fits])]])
@@ -473,12 +563,15 @@ class GreedyConstructor:
                     slot_items[j].append(i)
                     slot_marg[j] += marg[rows[x], i]
                     slot_tokens[j] += pad[rows[x], i]
+                    ring_marg[x], ring_tokens[x] = slot_marg[j], slot_tokens[j]
                     load = slot_marg[j] + fixed[rows[x]] * float(
                         n_passes(slot_tokens[j] / unit[rows[x], 0])
                     )
-                    room[x] = level[waves[x]] - load
-                    heap = classes[(int(waves[x]), int(rows[x]))]
-                    heap[:] = [(load if jj == j else v, jj) for v, jj in heap]
+                    before, room[x] = room[x], level[waves[x]] - load
+                    room_open[x] = room[x] if room[x] > 0 else -np.inf
+                    if room[x] > room_max or before == room_max:
+                        room_max = float(room.max())
+                    classes[(int(waves[x]), int(rows[x]))][place[j]] = (load, j)
                     continue
             left.append(i)
         order = {i: n for n, i in enumerate(sand)}
@@ -703,12 +796,13 @@ class GreedyConstructor:
         """A StepPlan from per-wave (CP size, sequence ids) groups: FFD micro-batches on allowed
         blocks (a wave whose groups do not fit the blocks at once continues in the next wave)."""
         topo = self.topology
+        lengths = self.lengths.tolist()  # plain ints: pack_ffd reads one per sequence
         waves = tuple(
             Wave(groups)
             for spec in specs
             if spec
             for groups in place_waves(
-                [(c, pack_ffd(ids, self.lengths, c, topo)) for c, ids in spec], topo
+                [(c, pack_ffd(ids, lengths, c, topo)) for c, ids in spec], topo
             )
         )
         return StepPlan(topo, tuple(int(s) for s in self.lengths), waves, policy="dyncp")

@@ -26,7 +26,9 @@ def pack_ffd(
     """
     cap = topology.capacity * cp
     unit = 1 if cp == 1 else 2 * cp
-    order = sorted(ids, key=lambda i: (-int(lengths[i]), i))
+    # Longest first, ties by id: a stable sort by length (reversed, which keeps the order of
+    # equals) of the ids in order -- no key tuple per sequence.
+    order = sorted(sorted(ids), key=lambda i: int(lengths[i]), reverse=True)
     bins: list[list[int]] = []
     room: list[int] = []
     for i in order:

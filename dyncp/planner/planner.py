@@ -35,8 +35,18 @@ machine.
 Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.lp_bound``, a few
 milliseconds) with ``bound="tight"`` (default), the closed-form one (``dyncp.planner.bound``) with
 ``bound="simple"``; both are reported (``simple_lower_bound_seconds``) and the gap is against the
-tighter. ``timings.plan_seconds`` is the wall clock of the whole ``plan()`` call, bound and
-validation included.
+tighter. ``timings.plan_seconds`` is the wall clock of the whole ``plan()`` call, validation
+included, and the bounds unless they are deferred.
+
+Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
+plan, so it may be computed after ``plan()`` returns, on a worker thread
+(``dyncp.planner.deferred``): the plan's bound fields are ``None`` and ``stats["bound"]["status"]``
+is ``"PENDING"`` until it is written; ``Planner.wait_bound(plan)`` waits for it. ``"auto"``
+(default) defers where the bound would not fit the deadline: with a wall-clock deadline, when the
+bound is predicted (``BOUND_SECONDS_PER_SEQUENCE`` per sequence) to take more than
+``DEFER_SHARE`` of ``time_limit`` and more than ``DEFER_MIN_SECONDS`` -- never for a batch of at
+most 3,333 sequences, never in deterministic mode. ``"always"`` and ``"never"`` force it. A
+deferred bound is the same number the synchronous one is (the same computation, later).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from dyncp.planner.baselines import BaselineCandidates
 from dyncp.planner.bound import lower_bound
 from dyncp.planner.budget import StepBudget
 from dyncp.planner.cpsat import CpSatImprover
+from dyncp.planner.deferred import DeferredBounds
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
 from dyncp.planner.head_split import SplitEnvelope, choose_splits
@@ -70,6 +81,7 @@ __all__ = [
     "ALL_POLICIES",
     "HYBRID_POLICY",
     "BOUNDS",
+    "DEFER_BOUND",
     "Improver",
     "nested_core",
 ]
@@ -80,6 +92,19 @@ POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
 HYBRID_POLICY = "dyncp-hybrid"
 ALL_POLICIES = (*POLICIES, HYBRID_POLICY)
 BOUNDS = ("tight", "simple")
+DEFER_BOUND = ("auto", "always", "never")
+#: ``defer_bound="auto"``'s prediction of the bounds' wall time per sequence of the batch.
+#: Measured here (one core, quiet): 3.3-3.6 s for 131,072 sequences on 16,384 ranks (25-27 us),
+#: 0.4 s for 32,768 on 4,096 (12 us), 12-15 ms for 512 on 64 (23-29 us); rounded up.
+BOUND_SECONDS_PER_SEQUENCE = 30e-6
+#: ``"auto"`` defers the bounds when predicted to take more than this share of ``time_limit``
+#: (the constructor's reserve for validation and bounds is at most half of it)...
+DEFER_SHARE = 0.25
+#: ... and more than this many seconds (so batches of at most 3,333 sequences never defer).
+DEFER_MIN_SECONDS = 0.1
+#: First call's estimate of validation + pricing wall time per sequence (measured here: 0.12 s
+#: + 0.04 s for 131,072 sequences); later calls use the previous call's measured time.
+TAIL_SECONDS_PER_SEQUENCE = 1.5e-6
 
 Improver = Callable[[StepPlan, CostModel], StepPlan]
 
@@ -132,9 +157,15 @@ class Planner:
         improver: optional user improvement of the plan (dyncp policy only), same guarantees.
         bound: ``"tight"`` (LP, reported every step) or ``"simple"`` (closed form: skips the LP,
             e.g. in the plan service where latency matters more than the report).
+        defer_bound: ``"auto"``, ``"always"`` or ``"never"``: whether the bounds are computed
+            after ``plan()`` returns (module docstring; ``wait_bound``). Only the tight bound is
+            ever deferred.
         reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
-            pricing (at most half of ``time_limit``); at least what they took in the previous
-            call (the LP bound takes seconds at 16,384 ranks), still at most half.
+            pricing (at most half of ``time_limit``); at least 1.1 x what ran after its deadline
+            in the previous call (pricing, validation, a synchronous bound, the constructor's
+            own overshoot; on the first call an estimate from the batch's size:
+            ``TAIL_SECONDS_PER_SEQUENCE``, plus ``BOUND_SECONDS_PER_SEQUENCE`` when the bound
+            is not deferred), still at most half.
         head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
             ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
             split and then gives each group its fastest split (``dyncp.planner.head_split``);
@@ -171,6 +202,7 @@ class Planner:
         min_improve_seconds: float = 0.2,
         improver: Improver | None = None,
         bound: str = "tight",
+        defer_bound: str = "auto",
         reserve_seconds: float = 0.03,
         head_sizes: Sequence[int] = (1,),
         query_heads: int | None = None,
@@ -183,6 +215,10 @@ class Planner:
         time_limit = self._check_budget(time_limit, budget)
         if bound not in BOUNDS:
             raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
+        if defer_bound not in DEFER_BOUND:
+            raise ValueError(
+                f"unknown defer_bound {defer_bound!r}; choose one of {', '.join(DEFER_BOUND)}"
+            )
         if not reserve_seconds >= 0:
             raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
         if policy not in ALL_POLICIES:
@@ -226,8 +262,11 @@ class Planner:
         self.min_improve_seconds = min_improve_seconds
         self.improver = improver
         self.bound = bound
+        self.defer_bound = defer_bound
+        self._deferred = DeferredBounds()
         self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
-        self._tail_seconds = 0.0  # validation + bounds of the previous call (wall clock)
+        # Pricing, validation and (synchronous) bounds of the previous call (wall clock).
+        self._tail_seconds: float | None = None
         self.solver_status_counts: Counter[str] = Counter()
         self.baselines: BaselineCandidates | None = None
         if baselines and policy in ("dyncp", HYBRID_POLICY):
@@ -537,12 +576,19 @@ class Planner:
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
             simple = lower_bound(lengths, self.topology, self.search_model)
         limit = self._budget_seconds(budget, simple, stats)
-        reserve = min(max(self.reserve_seconds, 1.1 * self._tail_seconds), 0.5 * limit)
+        defer = self._defers(len(lengths), limit)
+        tail = self._tail_seconds
+        if tail is None:  # first call: an estimate from the batch's size
+            tail = TAIL_SECONDS_PER_SEQUENCE * len(lengths)
+            if not defer and self.bound == "tight":
+                tail += BOUND_SECONDS_PER_SEQUENCE * len(lengths)
+        reserve = min(max(self.reserve_seconds, 1.1 * tail), 0.5 * limit)
         deadline = None if self.deterministic else start + limit - reserve
         baselines = self._build_baselines(lengths, self._baseline_deadline(start, deadline))
         plan, greedy = self._construct(lengths, deadline)
-        construct_seconds = time.perf_counter() - start
+        t_construct = time.perf_counter()
         cost = self._price(plan, self._pricing)
+        price_seconds = time.perf_counter() - t_construct
         if greedy is not None:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
@@ -551,6 +597,7 @@ class Planner:
                 plan, cost = self._run_cpsat(plan, cost, greedy, start, stats, limit)
             if self.improver is not None:
                 plan, cost = self._run_improver(plan, cost)
+        t_split = time.perf_counter()
         if self.policy == HYBRID_POLICY:
             plan = choose_splits(plan, self.model)
             plan.policy = self.policy
@@ -560,17 +607,6 @@ class Planner:
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
-        if simple is None:
-            simple = lower_bound(lengths, self.topology, self.search_model)
-        bound, bound_info = simple, {"kind": "simple"}
-        if self.bound == "tight":
-            lp = lp_lower_bound(
-                lengths, self.topology, self.search_model, simple=simple, timing=self.timing
-            )
-            bound = lp.seconds
-            bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
-        t2 = time.perf_counter()
-        self._tail_seconds = t2 - t0
         plan.stats.update(stats)
         plan.stats.update(
             policy=self.policy,
@@ -579,16 +615,94 @@ class Planner:
             imbalance=cost.imbalance,
             efficiency=cost.efficiency,
             waves=len(plan.waves),
-            lower_bound_seconds=bound,
-            simple_lower_bound_seconds=simple,
-            gap_to_lower_bound=cost.step_seconds / bound - 1.0 if bound > 0 else 0.0,
-            gap_to_simple_bound=cost.step_seconds / simple - 1.0 if simple > 0 else 0.0,
-            bound=bound_info,
         )
+        if defer:
+            seconds, search_model = cost.step_seconds, self.search_model
+            plan.stats["bound"] = {"kind": "tight"}
+            self._deferred.submit(
+                plan,
+                lambda: self._bound_fields(lengths, seconds, search_model, tight=True),
+                lambda exc: self._bound_fields(
+                    lengths, seconds, search_model, tight=False, failed=exc
+                ),
+            )
+        else:
+            fields = self._bound_fields(
+                lengths, cost.step_seconds, self.search_model, tight=self.bound == "tight"
+            )
+            plan.stats.update({k: v for k, v in fields.items() if k != "bound_seconds"})
+        t2 = time.perf_counter()
+        # What ran after the constructor's deadline and is not a solver's budget: the
+        # constructor's own overshoot (realising its last improvement), pricing, validation,
+        # synchronous bounds. The next call's constructor leaves that much (x 1.1) in reserve.
+        overshoot = max(t_construct - deadline, 0.0) if deadline is not None else 0.0
+        self._tail_seconds = overshoot + price_seconds + (t2 - t_split)
         plan.stats["timings"].update(
-            construct_seconds=construct_seconds,
+            construct_seconds=t_construct - start,
+            price_seconds=price_seconds + (t0 - t_split),
             validate_seconds=t1 - t0,
-            bound_seconds=t2 - t1,
             plan_seconds=time.perf_counter() - start,
         )
+        if not defer:
+            plan.stats["timings"]["bound_seconds"] = t2 - t1
         return plan
+
+    def _defers(self, sequences: int, limit: float) -> bool:
+        """Whether this batch's bounds are computed after ``plan()`` returns (module
+        docstring): the tight bound only; in ``"auto"`` mode with a wall-clock deadline only,
+        when predicted to take more than ``DEFER_SHARE`` of it and ``DEFER_MIN_SECONDS``."""
+        if self.bound != "tight" or self.defer_bound == "never":
+            return False
+        if self.defer_bound == "always":
+            return True
+        predicted = BOUND_SECONDS_PER_SEQUENCE * sequences
+        return not self.deterministic and predicted > max(DEFER_SHARE * limit, DEFER_MIN_SECONDS)
+
+    def _bound_fields(
+        self,
+        lengths: np.ndarray,
+        seconds: float,
+        search_model: CostModel | SplitEnvelope,
+        *,
+        tight: bool,
+        failed: BaseException | None = None,
+    ) -> dict:
+        """The bound fields of ``stats`` for a plan of ``seconds``: the closed-form bound, the
+        tight one when ``tight``, the gaps, ``bound`` (what was computed) and ``bound_seconds``
+        (wall clock). ``failed``: the tight bound's error, reported with the closed form."""
+        t0 = time.perf_counter()
+        simple = lower_bound(lengths, self.topology, search_model)
+        bound, bound_info = simple, {"kind": "simple"}
+        if failed is not None:
+            bound_info["status"] = f"tight bound failed: {failed!r}"
+        elif tight:
+            lp = lp_lower_bound(
+                lengths, self.topology, search_model, simple=simple, timing=self.timing
+            )
+            bound = lp.seconds
+            bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
+        return {
+            "lower_bound_seconds": bound,
+            "simple_lower_bound_seconds": simple,
+            "gap_to_lower_bound": seconds / bound - 1.0 if bound > 0 else 0.0,
+            "gap_to_simple_bound": seconds / simple - 1.0 if simple > 0 else 0.0,
+            "bound": bound_info,
+            "bound_seconds": time.perf_counter() - t0,
+        }
+
+    def wait_bound(self, plan: StepPlan, timeout: float | None = None) -> StepPlan:
+        """``plan`` (from this planner) once its bounds are in its ``stats``: at once unless
+        they were deferred and are still being computed.
+
+        Raises:
+            TimeoutError: the deferred bound is not done within ``timeout`` seconds.
+        """
+        return self._deferred.wait(plan, timeout)
+
+    def bound_pending(self, plan: StepPlan) -> bool:
+        """Whether ``plan``'s deferred bound is still being computed."""
+        return self._deferred.pending(plan)
+
+    def wait_bounds(self, timeout: float | None = None) -> None:
+        """Return once every bound this planner deferred so far is in its plan's ``stats``."""
+        self._deferred.wait_all(timeout)

@@ -192,7 +192,7 @@ def replay(
     bounds: list[float] = []
     for step, batch in enumerate(batches):
         for name, planner in planners.items():
-            plan = planner.plan(batch)
+            plan = planner.wait_bound(planner.plan(batch))  # a deferred bound is reported too
             if on_plan is not None:
                 on_plan(step, name, plan)
             st = plan.stats
