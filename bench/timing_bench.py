@@ -2,10 +2,12 @@
 
     python bench/timing_bench.py [--steps 10] [--profile h100-reference] [--data ../shared/datasets]
 
-Scenarios: those of ``bench/planner_bench.py`` (512 sequences per step on 64 ranks, 8 per node,
-max length 131072): both shared length files at capacities 8192 and 16384, and the constructed
-``code``, ``chat`` and ``bimodal`` distributions at 8192. Every planner runs in deterministic
-mode (the simulator's default), so the figures do not depend on the machine or its load.
+Scenarios: those of ``bench/planner_bench.py`` (``--scenarios`` picks some): both shared length
+files at capacities 8192 and 16384 and the constructed ``code``, ``chat`` and ``bimodal``
+distributions at 8192 (512 sequences per step on 64 ranks, 8 per node, max length 131072), the
+long-document one and the sparse ones (Megatron's example set-up on 4-GPU nodes). Every planner
+runs in deterministic mode (the simulator's default), so the figures do not depend on the machine
+or its load.
 
 Per scenario and policy (``dyncp``, ``megatron``), with B = the plan made under
 ``timing="barrier"`` and D = the plan made under ``timing="dataflow"`` (the default), it prints the
@@ -29,21 +31,21 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
 
 try:  # run as ``python bench/timing_bench.py`` (bench/ on sys.path) or as a module
-    from planner_bench import RANKS_PER_NODE, planner, scenarios
+    from planner_bench import RANKS_PER_NODE, Scenario, scenarios
 except ImportError:  # pragma: no cover - imported as bench.timing_bench
-    from bench.planner_bench import RANKS_PER_NODE, planner, scenarios
+    from bench.planner_bench import RANKS_PER_NODE, Scenario, scenarios
 
 POLICIES = ("dyncp", "megatron")
 
 
-def measure(model: CostModel, capacity: int, batches: list[np.ndarray], policy: str) -> dict:
+def measure(sc: Scenario, policy: str) -> dict:
     """Per-step seconds of the barrier-made plan (both timings) and the dataflow-made plan."""
+    model = sc.model
     made = {
-        t: planner(model, capacity, policy=policy, deterministic=True, timing=t)
-        for t in ("barrier", "dataflow")
+        t: sc.planner(policy=policy, deterministic=True, timing=t) for t in ("barrier", "dataflow")
     }
     out: dict[str, list[float]] = {"bb": [], "bd": [], "dd": [], "gap": []}
-    for batch in batches:
+    for batch in sc.batches:
         b = made["barrier"].plan(batch)
         d = made["dataflow"].plan(batch)
         out["bb"].append(evaluate_plan(b, model, timing="barrier").step_seconds)
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--profile", default="h100-reference")
     parser.add_argument("--data", type=Path, default=Path("../shared/datasets"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scenarios", nargs="*", help="only scenarios whose name starts so")
+    parser.add_argument("--sparse-profile", default="h100-megatron-dcp-gpt-plain")
     args = parser.parse_args()
     model = CostModel.load(args.profile, ranks_per_node=RANKS_PER_NODE)
     print(
@@ -71,8 +75,9 @@ def main() -> None:
         f"{'(barrier)':>10}{'gap':>7}{'min gap':>9}"
     )
     same_all, replan_all = [], []
-    for name, capacity, batches in scenarios(args):
-        res = {p: measure(model, capacity, batches, p) for p in POLICIES}
+    for sc in scenarios(args, model):
+        name, capacity, batches = sc.name, sc.capacity, sc.batches
+        res = {p: measure(sc, p) for p in POLICIES}
         for p in POLICIES:
             r = res[p]
             same = r["bd"].mean() / r["bb"].mean()
