@@ -63,12 +63,16 @@ class LaminarResult:
 class LaminarImprover:
     """CP-SAT over group layouts for small batches (module docstring).
 
-    deterministic: one worker, a deterministic time limit and a fixed seed.
+    deterministic: one worker, a deterministic time limit and a fixed seed. hint: start from the
+    incoming plan (the planner's use: within a step's budget the hint is the solver's first
+    solution); without it the search is free of the incoming layout, which on long runs can
+    find better ones (``bench/layout_exact.py`` runs both).
     """
 
-    def __init__(self, *, deterministic: bool = False, seed: int = 0) -> None:
+    def __init__(self, *, deterministic: bool = False, seed: int = 0, hint: bool = True) -> None:
         self.deterministic = deterministic
         self.seed = seed
+        self.hint = hint
 
     def solve(
         self, plan: StepPlan, model: CostModel, time_limit: float
@@ -185,7 +189,7 @@ class LaminarImprover:
                 m.add(sum(terms) <= step)
         m.minimize(step)
         covered = {i for mbs in given.values() for mb in mbs for i in mb}
-        if len(covered) == n and int(hinted.max()) <= horizon:  # a complete hint
+        if self.hint and len(covered) == n and int(hinted.max()) <= horizon:  # a complete hint
             for v, value in hints:
                 m.add_hint(v, value)
             m.add_hint(step, int(hinted.max()))
