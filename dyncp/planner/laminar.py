@@ -3,9 +3,9 @@
 Why. ``dyncp.planner.cpsat`` re-assigns sequences within the structure the constructor built
 (its waves and groups). On batches of a few long documents (the long-document scenario of
 ``bench/planner_bench.py``: 16 documents on 64 ranks) the structure is what is left to gain:
-an exact model over every layout found plans 1-3% faster than the constructor's on such batches,
-by nesting groups unevenly (one half of the ranks runs a 32-rank group while the other runs two
-16-rank groups, then single ones) -- something wave levels do not express.
+this search run for 15 s finds plans 0.3-2.5% faster than the constructor's on such batches
+(``bench/layout_exact.py --long``), by nesting groups unevenly (two 32-rank groups of different
+lengths, then different groups on each half) -- something wave levels do not express.
 
 Model. Every placement of every allowed size (``Topology.placements``) is a *block*; a block
 holds at most ``MAX_SLOTS`` micro-batches. Booleans ``x[i, b, k]``: sequence i runs in
