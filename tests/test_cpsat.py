@@ -47,6 +47,9 @@ def model_for(ranks_per_node: int) -> CostModel:
 
 
 def make_planner(topo: Topology, **kw) -> Planner:
+    """A deterministic planner whose only improvement is CP-SAT on the slots (the layout
+    search of small batches, ``tests/test_laminar.py``, off)."""
+    kw.setdefault("layout", False)
     for key, value in DET.items():
         kw.setdefault(key, value)
     return Planner(
@@ -356,7 +359,7 @@ out = []
 for world, rpn, capacity, lengths in json.loads({cases!r}):
     planner = Planner(CostModel.load("h100-reference", rpn), world=world, ranks_per_node=rpn,
                       capacity=capacity, policy="dyncp", deterministic=True, time_limit=0.3,
-                      min_improve_seconds=0.2)
+                      min_improve_seconds=0.2, layout=False)
     data = json.loads(planner.plan(lengths).to_json())
     data["stats"].pop("timings")
     out.append(json.dumps(data, sort_keys=True))

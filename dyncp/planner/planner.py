@@ -71,6 +71,8 @@ from dyncp.planner.deferred import DeferredBounds
 from dyncp.planner.dp_balanced import dp_balanced_plan
 from dyncp.planner.greedy import GreedyConstructor
 from dyncp.planner.head_split import SplitEnvelope, choose_splits
+from dyncp.planner.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
+from dyncp.planner.laminar import LaminarImprover
 from dyncp.planner.lp_bound import lp_lower_bound
 from dyncp.planner.megatron import megatron_plan
 from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
@@ -115,6 +117,9 @@ log = logging.getLogger(__name__)
 #: load, and a skipped baseline is a step on which dyncp may lose to it; the construction always
 #: realises its first structure, whatever is left.
 BASELINE_SHARE = 0.75
+#: Share of what is left after the constructor that the layout search (``dyncp.planner.laminar``,
+#: batches of at most ``LAYOUT_MAX_SEQUENCES``) may take before CP-SAT on the slots gets the rest.
+LAYOUT_SHARE = 0.6
 
 
 class _Baseline(NamedTuple):
@@ -184,6 +189,10 @@ class Planner:
         baselines: build the baseline policies' plans as candidates of the dyncp policies
             (``dyncp.planner.baselines``), so that the plan handed out is never slower than
             theirs; ``False`` shows what the search alone finds.
+        layout: run the layout search (``dyncp.planner.laminar``) on batches of at most
+            ``LAYOUT_MAX_SEQUENCES`` sequences, before CP-SAT, with ``LAYOUT_SHARE`` of the time
+            left (when that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; so never
+            at the default ``time_limit``); off with ``cpsat=None`` too.
     """
 
     def __init__(
@@ -210,6 +219,7 @@ class Planner:
         timing: str = "dataflow",
         budget: StepBudget | None = None,
         baselines: bool = True,
+        layout: bool = True,
     ) -> None:
         self.timing = check_timing(timing)
         time_limit = self._check_budget(time_limit, budget)
@@ -259,6 +269,10 @@ class Planner:
         if cpsat == "default":
             cpsat = CpSatImprover(deterministic=deterministic)
         self.cpsat: CpSatImprover | None = cpsat  # type: ignore[assignment]
+        # The layout search of small batches runs with the CP-SAT improvement (off with it).
+        self.layout = (
+            LaminarImprover(deterministic=deterministic) if layout and cpsat is not None else None
+        )
         self.min_improve_seconds = min_improve_seconds
         self.improver = improver
         self.bound = bound
@@ -410,6 +424,35 @@ class Planner:
             self.solver_status_counts["REJECTED"] += 1
             return plan, cost
         return self._keep_better(plan, cost, candidate, "CP-SAT")
+
+    def _run_layout(
+        self, plan: StepPlan, cost: PlanCost, start: float, stats: dict, limit: float
+    ) -> tuple[StepPlan, PlanCost]:
+        """The layout search (``dyncp.planner.laminar``) on a small batch for ``LAYOUT_SHARE``
+        of what is left of ``limit`` (deterministic mode: of ``limit`` units), when that is at
+        least ``LAYOUT_SHARE`` x ``min_improve_seconds``; kept only if valid and faster.
+        Deterministic mode leaves CP-SAT its own ``limit`` units (reproducible either way)."""
+        assert self.layout is not None
+        if self.deterministic:
+            budget = LAYOUT_SHARE * limit
+        else:
+            budget = LAYOUT_SHARE * (limit - (time.perf_counter() - start))
+        if budget < self.min_improve_seconds * LAYOUT_SHARE:
+            stats["layout"] = {"status": "SKIPPED: not enough time left"}
+            return plan, cost
+        candidate, result = self.layout.solve(plan, self._pricing, budget)
+        stats["layout"] = {
+            "status": result.status,
+            "objective_seconds": result.objective_seconds,
+            "variables": result.variables,
+        }
+        stats["timings"]["layout_seconds"] = result.wall_seconds
+        if candidate is None:
+            return plan, cost
+        before = cost.step_seconds
+        plan, cost = self._keep_better(plan, cost, candidate, "layout search")
+        stats["layout"]["kept"] = cost.step_seconds < before
+        return plan, cost
 
     def _keep_better(
         self, plan: StepPlan, cost: PlanCost, candidate: StepPlan, who: str
@@ -593,6 +636,8 @@ class Planner:
             stats["greedy_step_seconds"] = cost.step_seconds
             stats["timings"]["candidates"] = greedy.tried  # depends on the deadline
             plan, cost = self._take_baseline(plan, cost, baselines, stats)
+            if self.layout is not None and 0 < len(lengths) <= LAYOUT_MAX_SEQUENCES:
+                plan, cost = self._run_layout(plan, cost, start, stats, limit)
             if self.cpsat is not None:
                 plan, cost = self._run_cpsat(plan, cost, greedy, start, stats, limit)
             if self.improver is not None:
