@@ -218,7 +218,11 @@ def _sampler_run(
     if service is not None:
         out["service_alive"] = service.alive
         counters = service.counters
-        out["service"] = {"bad_cursors": counters.bad_cursors, "errors": counters.errors}
+        out["service"] = {
+            "bad_cursors": counters.bad_cursors,
+            "errors": counters.errors,
+            "planned": counters.published + counters.late,
+        }
     sampler.close()
     c = sampler.counters
     out["samples"] = [int(i) for i in samples]
@@ -525,9 +529,10 @@ def test_forged_and_garbage_plans_fall_back_consistently(chaos: list[dict]) -> N
         _exactly_once(runs)
         assert {r["counters"]["rejected"] for r in runs} == {rejected}
         assert len({json.dumps(r["counters"]) for r in runs}) == 1  # same decisions everywhere
-    # The garbage cursors were counted, and the service kept serving through them.
+    # The garbage cursors were counted, and the service kept planning through them (whether a
+    # reader used a plan in time or fell back depends on the machine's load, not on the cursors).
     assert garbage[0]["service"]["bad_cursors"] > 0
-    assert garbage[0]["service_alive"] and garbage[0]["counters"]["service"] > 0
+    assert garbage[0]["service_alive"] and garbage[0]["service"]["planned"] > 0
 
 
 @pytest.mark.timeout(180)
