@@ -52,8 +52,12 @@ def push_slower_steps(pusher: MeasurementChannel, steps: int, seed: int) -> None
 
 def make_planner() -> Planner:
     return Planner(
-        CostModel(PROFILE, WORLD), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY,
-        deterministic=True, cpsat=None,
+        CostModel(PROFILE, WORLD),
+        world=WORLD,
+        ranks_per_node=WORLD,
+        capacity=CAPACITY,
+        deterministic=True,
+        cpsat=None,
     )
 
 
@@ -68,8 +72,14 @@ def make_schedule() -> BatchSchedule:
 def clients(store, schedule, n=2):
     return [
         PlanClient(
-            store, source=schedule, planner=make_planner(), prefix="job", rank=r, deadline=0.0,
-            secret=SECRET, models=ModelChannel(store, "job", signer=PlanSigner(SECRET)),
+            store,
+            source=schedule,
+            planner=make_planner(),
+            prefix="job",
+            rank=r,
+            deadline=0.0,
+            secret=SECRET,
+            models=ModelChannel(store, "job", signer=PlanSigner(SECRET)),
         )
         for r in range(n)
     ]
@@ -119,10 +129,14 @@ def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_v
     store = dist.HashStore()
     schedule = make_schedule()
     signer = PlanSigner(SECRET)
-    calibrator = OnlineCalibrator(PROFILE, ranks_per_node=WORLD, refit_every=1,
-                                  min_measurements=32)
+    calibrator = OnlineCalibrator(PROFILE, ranks_per_node=WORLD, refit_every=1, min_measurements=32)
     service = PlanService(
-        store, source=schedule, planner=make_planner(), prefix="job", lookahead=0, secret=SECRET,
+        store,
+        source=schedule,
+        planner=make_planner(),
+        prefix="job",
+        lookahead=0,
+        secret=SECRET,
         calibration=ServiceCalibration(store, "job", calibrator, signer=signer, interval=0.0),
     )
     reader = clients(store, schedule, n=1)[0]
@@ -144,21 +158,48 @@ def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_v
 def test_serve_command_calibrates_and_saves_the_profile(tmp_path):
     """python -m dyncp.serve --calibrate: measurements pushed by a trainer are fitted, the
     version is published (signed with the job's secret) and the profile saved."""
-    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                           wait_for_workers=False)
+    master = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False
+    )
     rng = np.random.default_rng(0)
     np.save(tmp_path / "lengths.npy", np.clip(rng.lognormal(5.5, 1.2, 400), 1, 4000).astype(int))
     saved = tmp_path / "calibrated.json"
     cmd = [
-        sys.executable, "-m", "dyncp.serve", "--host", "127.0.0.1", "--port", str(master.port),
-        "--prefix", "cal", "--dataset", str(tmp_path / "lengths.npy"), "--world", str(WORLD),
-        "--ranks-per-node", str(WORLD), "--capacity", str(CAPACITY), "--global-batch-tokens",
-        str(2 * WORLD * CAPACITY), "--profile", "cpu-gloo", "--time-limit", "0.05",
-        "--duration", "60", "--calibrate", "--refit-every", "1", "--save-profile", str(saved),
+        sys.executable,
+        "-m",
+        "dyncp.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(master.port),
+        "--prefix",
+        "cal",
+        "--dataset",
+        str(tmp_path / "lengths.npy"),
+        "--world",
+        str(WORLD),
+        "--ranks-per-node",
+        str(WORLD),
+        "--capacity",
+        str(CAPACITY),
+        "--global-batch-tokens",
+        str(2 * WORLD * CAPACITY),
+        "--profile",
+        "cpu-gloo",
+        "--time-limit",
+        "0.05",
+        "--duration",
+        "60",
+        "--calibrate",
+        "--refit-every",
+        "1",
+        "--save-profile",
+        str(saved),
     ]
     env = dict(os.environ, DYNCP_PLAN_SECRET=SECRET.decode())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     signer = PlanSigner(SECRET)
     try:
         push_slower_steps(MeasurementChannel(master, "cal", signer=signer), 2, seed=2)

@@ -199,7 +199,9 @@ def test_split_microbatches_enter_the_refit_with_their_split() -> None:
         )
     mbs, waves = step_measurements(plan, reports)
     assert [(m.cp, m.lengths, m.heads) for m in mbs] == [
-        (2, (1500,), 2), (2, (900,), 1), (4, (300,), 1)
+        (2, (1500,), 2),
+        (2, (900,), 1),
+        (4, (300,), 1),
     ]
     assert mbs[0].seconds == pytest.approx(0.3)
     assert waves[0].busy_seconds == pytest.approx(0.3)  # the split group still sets the wave
