@@ -65,7 +65,7 @@ The fit is deterministic: same profile, same measurements in the same order, sam
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 
@@ -670,49 +670,18 @@ def _apply(
         a["ring_sequence_step_seconds"] = float(theta[-1])
     fitted = {c: (float(theta[5 + 2 * j]), float(theta[6 + 2 * j])) for j, c in enumerate(sizes)}
     if fitted:
-        listed = {link["group_size"] for link in data["communication"]["links"]}
-        powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
-        links = []
-        for c in sorted(listed | powers | set(fitted)):
-            if c in fitted:
-                latency, inverse = fitted[c]
-                bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
-            else:
-                latency, bandwidth = model.link(c)
-            links.append(
-                {
-                    "group_size": c,
-                    "latency_seconds": latency,
-                    "bandwidth_bytes_per_second": bandwidth,
-                }
-            )
-        data["communication"]["links"] = links
+        comm = data["communication"]
+        comm["links"] = _link_table(comm["links"], fitted, model.link)
     base = 5 + 2 * len(sizes)
     exchanges = {
         u: (float(theta[base + 3 * j]), float(theta[base + 3 * j + 1]))
         for j, u in enumerate(heads)
     }
     if exchanges:
-        listed = {link["group_size"] for link in data["communication"]["all_to_all_links"]}
-        powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
-        table = []
-        for u in sorted(listed | powers | set(exchanges)):
-            if u in exchanges:
-                latency, inverse = exchanges[u]
-                bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
-            else:
-                try:
-                    latency, bandwidth = model.all_to_all_link(u)
-                except ValueError:  # a size the profile never priced stays unpriced
-                    continue
-            table.append(
-                {
-                    "group_size": u,
-                    "latency_seconds": latency,
-                    "bandwidth_bytes_per_second": bandwidth,
-                }
-            )
-        data["communication"]["all_to_all_links"] = table
+        comm = data["communication"]
+        comm["all_to_all_links"] = _link_table(
+            comm["all_to_all_links"], exchanges, model.all_to_all_link, skip_unpriced=True
+        )
         scales = {h["heads"]: h["scale"] for h in a.get("head_scales", [])}
         scales |= {u: float(theta[base + 3 * j + 2]) for j, u in enumerate(heads)}
         a["head_scales"] = [{"heads": u, "scale": s} for u, s in sorted(scales.items())]
@@ -720,6 +689,38 @@ def _apply(
         data["communication"]["overlap"] = overlap
     data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
     return Profile.model_validate(data)
+
+
+def _link_table(
+    listed: list[dict],
+    fitted: dict[int, tuple[float, float]],
+    priced: Callable[[int], tuple[float, float]],
+    *,
+    skip_unpriced: bool = False,
+) -> list[dict]:
+    """A profile's link table after a refit: every size it listed, every power of two up to
+    ``LINK_SIZES_UP_TO`` and every fitted size. A fitted size takes its fit (latency, inverse
+    bandwidth); another keeps what the current model prices. With ``skip_unpriced`` a size the
+    model cannot price (``ValueError``: an all-to-all size the profile never priced) stays out;
+    without it the error propagates, as a refit failure."""
+    sizes = {link["group_size"] for link in listed}
+    powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
+    table = []
+    for c in sorted(sizes | powers | set(fitted)):
+        if c in fitted:
+            latency, inverse = fitted[c]
+            bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
+        else:
+            try:
+                latency, bandwidth = priced(c)
+            except ValueError:
+                if not skip_unpriced:
+                    raise
+                continue
+        table.append(
+            {"group_size": c, "latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
+        )
+    return table
 
 
 def _with_provenance(
