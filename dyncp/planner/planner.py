@@ -666,14 +666,20 @@ class Planner:
             plan.stats["bound"] = {"kind": "tight"}
             self._deferred.submit(
                 plan,
-                lambda: self._bound_fields(lengths, seconds, search_model, tight=True),
+                lambda: self._bound_fields(
+                    lengths, seconds, search_model, tight=True, simple=simple
+                ),
                 lambda exc: self._bound_fields(
-                    lengths, seconds, search_model, tight=False, failed=exc
+                    lengths, seconds, search_model, tight=False, failed=exc, simple=simple
                 ),
             )
         else:
             fields = self._bound_fields(
-                lengths, cost.step_seconds, self.search_model, tight=self.bound == "tight"
+                lengths,
+                cost.step_seconds,
+                self.search_model,
+                tight=self.bound == "tight",
+                simple=simple,
             )
             plan.stats.update({k: v for k, v in fields.items() if k != "bound_seconds"})
         t2 = time.perf_counter()
@@ -711,12 +717,15 @@ class Planner:
         *,
         tight: bool,
         failed: BaseException | None = None,
+        simple: float | None = None,
     ) -> dict:
         """The bound fields of ``stats`` for a plan of ``seconds``: the closed-form bound, the
         tight one when ``tight``, the gaps, ``bound`` (what was computed) and ``bound_seconds``
-        (wall clock). ``failed``: the tight bound's error, reported with the closed form."""
+        (wall clock). ``failed``: the tight bound's error, reported with the closed form.
+        ``simple``: the closed-form bound when ``plan()`` already computed it (for a budget)."""
         t0 = time.perf_counter()
-        simple = lower_bound(lengths, self.topology, search_model)
+        if simple is None:
+            simple = lower_bound(lengths, self.topology, search_model)
         bound, bound_info = simple, {"kind": "simple"}
         if failed is not None:
             bound_info["status"] = f"tight bound failed: {failed!r}"
