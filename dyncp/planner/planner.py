@@ -575,13 +575,13 @@ class Planner:
         if not baselines:
             return plan, cost
         stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
-        mine = self._seconds(plan, self._pricing)
-        priced = [(self._seconds(b.rings, self._pricing), n) for n, b in enumerate(baselines)]
-        seconds, n = min(priced)
-        if seconds >= mine:
+        # ``cost`` is ``plan``'s under the search's pricing; so is each baseline's below.
+        priced = [self._price(b.rings, self._pricing) for b in baselines]
+        n = min(range(len(baselines)), key=lambda i: (priced[i].step_seconds, i))
+        if priced[n].step_seconds >= cost.step_seconds:
             return plan, cost
         stats["chosen"] = f"baseline:{baselines[n].name}"
-        return baselines[n].rings, self._price(baselines[n].rings, self._pricing)
+        return baselines[n].rings, priced[n]
 
     def _never_worse(
         self,
@@ -593,7 +593,7 @@ class Planner:
         """The final plan, or the fastest baseline where the final plan is slower under the
         planner's timing (an improvement accepted under another objective can be)."""
         best = min(baselines, key=lambda b: b.seconds)
-        if best.seconds >= self._seconds(plan, self.model):
+        if best.seconds >= cost.step_seconds:  # ``cost``: ``plan``'s under the model
             return plan, cost
         stats["chosen"] = f"baseline:{best.name}"
         return best.final, self._price(best.final, self.model)
