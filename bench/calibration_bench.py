@@ -10,7 +10,8 @@ and per-step costs, micro-batch constant, each ring size's latency and bandwidth
 own random factor in [0.3, 3] (log-uniform), and a different wave cost. Each step measures 16
 micro-batches (CP sizes cycling over the profile's group sizes) timed by the truth, times
 lognormal noise (median 1, sigma 0.3) and, for 20% of them, a straggler factor in [2, 10]. The
-calibrator (``dyncp.calibration.OnlineCalibrator``, defaults) starts from the shipped profile.
+calibrator (``dyncp.cost_model.calibration.OnlineCalibrator``, defaults) starts from the shipped
+profile.
 
 Figures, on 300 fresh micro-batches of the same distribution priced without noise:
 ``error`` = mean |predicted / true - 1|, ``bias`` = mean (predicted / true - 1); the starting
@@ -24,7 +25,8 @@ without drift (spurious ones).
 ``ssm_seconds_per_token`` perturbed too).
 
 The pieces (``perturbed_truth``, ``measure_step``, ``errors``) are used by
-``tests/test_calibration_adversary.py``, which asserts the targets on fixed seeds.
+``tests/unit/cost_model/calibration/test_calibration_adversary.py``, which asserts the targets on
+fixed seeds.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dyncp.calibration import OnlineCalibrator
 from dyncp.cost_model import CostModel, Profile, load_profile
-from dyncp.cost_model.calibrate import Measurement, _apply, _coefficients
-from dyncp.cost_model.calibrate_mix import mix_coefficients, mix_profile
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.cost_model.calibration.fit import Measurement, _apply, _coefficients
+from dyncp.cost_model.calibration.mix import mix_coefficients, mix_profile
+from dyncp.cost_model.calibration.online import OnlineCalibrator
+from dyncp.data.readers import load_lengths, resolve_dataset
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    - before (the runtime this replaced): the plan agreement as an all_gather of 24 bytes, plus
      one status all_gather per wave (2 waves), on the pool's gloo control group;
    - after: the agreement as one all_reduce(MAX) of values and complements
-     (``dyncp.agreement.PendingAgreement``), no per-wave synchronisation;
+     (``dyncp.control.agreement.PendingAgreement``), no per-wave synchronisation;
    - ``runtime.execute`` of a 2-wave plan whose ``step_fn`` does nothing (the whole per-step
      overhead of the runtime now), with the collectives it issues and the Store requests the
      pool makes counted at their seams (wrapped ``torch.distributed`` calls, a counting Store);
@@ -18,7 +18,7 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    tokens of the bundled Wikipedia sample at N = 4,096 and 16,384 (JSON bytes, decode, digest,
    validation, this rank's own checks), before (reader validates, sampler and ``execute`` hash,
    ``execute`` validates) and after (``execute(agree=False, validate=False)`` behind the
-   sampler's agreement); and with slices (``dyncp.plan_slice``): bytes a rank reads (header +
+   sampler's agreement); and with slices (``dyncp.plan.slice``): bytes a rank reads (header +
    its slice), the CPU to decode the header and check its slice, all slices' bytes against the
    plan's JSON, and the maker's time to cut the plan.
 3. The model: each collective's latency fitted as a + b log2 N and as a + b N (least squares
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dyncp.agreement import PendingAgreement
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.control.agreement import PendingAgreement
+from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
-from dyncp.plan_slice import SliceHeader, open_slice, slice_plan
+from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
 from dyncp.planner.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.executor import _check

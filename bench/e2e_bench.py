@@ -35,10 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner
 from dyncp.cost_model import CostModel, load_profile
-from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.planner import Planner
+from dyncp.cost_model.calibration import ModelVersion, OnlineCalibrator
+from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.planner import Planner, VersionedPlanner
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.measure import CollectiveCalibration
 from dyncp.sim.replay import admit, draw_batches
@@ -89,15 +89,21 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     profile = load_profile(args.profile)
     shape = profile.model
     cfg = TinyConfig(
-        vocab=shape.vocab_size, dim=shape.hidden_size, heads=shape.num_heads,
-        kv_heads=shape.num_kv_heads, layers=shape.num_layers, ffn=shape.ffn_hidden_size,
+        vocab=shape.vocab_size,
+        dim=shape.hidden_size,
+        heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads,
+        layers=shape.num_layers,
+        ffn=shape.ffn_hidden_size,
     )
     torch.manual_seed(0)
     model = TinyDecoder(cfg)
     lengths, _ = admit(load_lengths(resolve_dataset(args.dataset)), args.max_length, "truncate")
     batches = list(
         draw_batches(
-            lengths, steps=args.warmup + args.steps, seed=args.seed,
+            lengths,
+            steps=args.warmup + args.steps,
+            seed=args.seed,
             global_batch_tokens=args.global_batch_tokens,
         )
     )
@@ -214,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.world < 2:
         p.error("--world must be >= 2 (a ring needs two ranks)")
     start = time.perf_counter()
-    result = run_gloo(_worker, world=args.world, args=(args,), timeout=args.timeout,
-                      pg_timeout=600)[0]
+    result = run_gloo(
+        _worker, world=args.world, args=(args,), timeout=args.timeout, pg_timeout=600
+    )[0]
     print(report(result, args, args.world))
     print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.json:

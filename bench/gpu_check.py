@@ -266,9 +266,7 @@ def emulate_ring(
     return tuple(zigzag_unshard(x, seqlens=seqlens) for x in (outs, dq, dk, dv))
 
 
-def check_kernels(
-    kernels: Sequence[BlockKernel], sizes: Sizes, device: torch.device
-) -> list[dict]:
+def check_kernels(kernels: Sequence[BlockKernel], sizes: Sizes, device: torch.device) -> list[dict]:
     """Max relative error of out, dq, dk, dv per kernel, pack and CP size, against fp64."""
     heads, kv_heads, head_dim = sizes.check_heads
     rows = []
@@ -602,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (seconds)")
     parser.add_argument("--model", default="llama3-8b", help="named shape or shape JSON")
     parser.add_argument("--base-profile", default="h100-reference")
-    parser.add_argument("--out-dir", type=Path, default=Path("profiles"))
+    parser.add_argument("--out-dir", type=Path, default=Path("dyncp/cost_model/profiles"))
     parser.add_argument("--json", type=Path, default=None, help="write all figures here")
     args = parser.parse_args(argv)
     if args.dry_run:

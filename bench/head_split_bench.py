@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from dyncp.cost_model import CostModel
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.planner import Planner
 from dyncp.planner.head_split import layout_histogram
 from dyncp.sim.replay import admit, draw_batches
@@ -107,8 +107,7 @@ def explain(profile: str) -> None:
             cost = {u: model.microbatch_seconds(cp, [length], heads=u) for u in splits}
             best = min(cost, key=cost.get)
             cells = " ".join(
-                f"{'ring' if u == 1 else f'a2a{u}'}{'*' if u == best else ' '}"
-                f"{cost[u] * 1e3:8.2f}"
+                f"{'ring' if u == 1 else f'a2a{u}'}{'*' if u == best else ' '}{cost[u] * 1e3:8.2f}"
                 for u in splits
             )
             cross = "crosses nodes" if cp > per_node else "in one node"

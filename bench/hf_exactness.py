@@ -56,8 +56,14 @@ def plans() -> dict[str, StepPlan]:
     model = CostModel.load("h100-reference", ranks_per_node=2)
     for policy, seeds in (("dyncp", (2, 3, 4, 5)), ("static", (6,))):
         planner = Planner(
-            model, world=WORLD, ranks_per_node=2, capacity=32, max_length=100, policy=policy,
-            deterministic=True, cpsat=None,
+            model,
+            world=WORLD,
+            ranks_per_node=2,
+            capacity=32,
+            max_length=100,
+            policy=policy,
+            deterministic=True,
+            cpsat=None,
         )
         for seed in seeds:
             rng = np.random.default_rng(seed)
@@ -121,8 +127,10 @@ def main() -> None:
         args=([(f, batch[n].to_json(), seeds[n]) for f, n in cases],),
         timeout=600,
     )
-    print(f"{'family':9} {'plan':10} {'cp sizes':10} {'grad err sdpa':>14} {'loss err sdpa':>14} "
-          f"{'grad err eager':>15} {'loss err eager':>15}")
+    print(
+        f"{'family':9} {'plan':10} {'cp sizes':10} {'grad err sdpa':>14} {'loss err sdpa':>14} "
+        f"{'grad err eager':>15} {'loss err eager':>15}"
+    )
     worst = {"sdpa": 0.0, "eager": 0.0}
     for c, (family, name) in enumerate(cases):
         plan = batch[name]
@@ -136,10 +144,14 @@ def main() -> None:
             worst[attn] = max(worst[attn], g_err)
             row += [g_err, abs(loss - ref_loss) / abs(ref_loss)]
         sizes = sorted({g.size for w in plan.waves for g in w.groups})
-        print(f"{family:9} {name:10} {str(sizes):10} {row[0]:14.2e} {row[1]:14.2e} "
-              f"{row[2]:15.2e} {row[3]:15.2e}")
-    print(f"largest relative gradient error: vs SDPA {worst['sdpa']:.2e}, "
-          f"vs eager {worst['eager']:.2e}")
+        print(
+            f"{family:9} {name:10} {str(sizes):10} {row[0]:14.2e} {row[1]:14.2e} "
+            f"{row[2]:15.2e} {row[3]:15.2e}"
+        )
+    print(
+        f"largest relative gradient error: vs SDPA {worst['sdpa']:.2e}, "
+        f"vs eager {worst['eager']:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ the inter-node link between domains) and prints the mean step seconds and their 
 menu: above 1 the menu is faster), each run's mean gap to its own lower bound, the ratio of the
 lower bounds (what a perfect planner could gain at most, roughly) and the share of sequences the
 menu runs on sizes that are not powers of two; first the communicators each pool needs
-(``dyncp.menu.pool_count``, computed without creating any).
+(``dyncp.plan.menu.pool_count``, computed without creating any).
 
 Machines (documents up to 131072 tokens; ``--capacity`` tokens per rank, ``--batch`` x world x
 capacity tokens per step, 8192 and 2 by default as in the simulator):
@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from dyncp.cost_model.model import CostModel
-from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.menu import menu_sizes, pool_count
+from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.plan.menu import menu_sizes, pool_count
 from dyncp.planner.planner import Planner
 from dyncp.sim.replay import admit, draw_batches
 
@@ -97,9 +97,7 @@ def lengths_of(name: str, full: bool) -> np.ndarray:
     return load_lengths(resolve_dataset(name))
 
 
-def run(
-    machine: str, dataset: str, steps: int, full: bool, capacity: int, batch: float
-) -> dict:
+def run(machine: str, dataset: str, steps: int, full: bool, capacity: int, batch: float) -> dict:
     world, rpn, menus = MACHINES[machine]
     model = CostModel.load("h100-reference", rpn)
     lengths, _ = admit(lengths_of(dataset, full), MAX_LENGTH, "truncate")

@@ -2,7 +2,7 @@
 
 Shown in docs/reproductions/policy-tables.md.
 
-    python bench/policy_tables.py [--steps 20] [--out sim/results]
+    python bench/policy_tables.py [--steps 20] [--out results]
 
 For each (dataset, scenario) it runs ``python -m dyncp.sim`` in-process, writes the JSON report to
 ``--out`` and prints the table, then a summary of dyncp's speedup over static and over megatron
@@ -33,7 +33,7 @@ DATASETS = ("wikipedia", "wlbllm")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("sim/results"))
+    parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

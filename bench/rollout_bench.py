@@ -58,8 +58,11 @@ def predicted(args: argparse.Namespace) -> None:
     )
     for name, (median, sigma) in SCENARIOS.items():
         gen = RolloutLengths(
-            prompts=args.prompts, group_size=args.group_size, median_response=median,
-            within_sigma=sigma, max_response=args.max_response,
+            prompts=args.prompts,
+            group_size=args.group_size,
+            median_response=median,
+            within_sigma=sigma,
+            max_response=args.max_response,
         )
         static = Planner(model, **common, policy="static", max_length=gen.max_length)
         dyn = Planner(model, **common, time_limit=args.time_limit)
@@ -79,8 +82,9 @@ def predicted(args: argparse.Namespace) -> None:
                 det.plan(lengths)
                 det_wall = time.perf_counter() - start
             capped = np.mean(response == args.max_response)
-            rows.append((lengths, base, plan.stats["predicted_step_seconds"], wall, det_wall,
-                         capped))
+            rows.append(
+                (lengths, base, plan.stats["predicted_step_seconds"], wall, det_wall, capped)
+            )
         lengths = np.concatenate([r[0] for r in rows])
         base, dyn_s, wall, det_wall, capped = (np.array([r[k] for r in rows]) for k in range(1, 6))
         print(
@@ -90,9 +94,11 @@ def predicted(args: argparse.Namespace) -> None:
             f"{(wall / dyn_s).max():9.4f}"
             + (f" {np.median(det_wall):9.2f}" if args.deterministic else "")
         )
-    print("gain = static CP predicted step time / dyncp predicted step time (sum over steps); "
-          "plan/step = the planner's wall time / the dyncp step time (worst step); at cap = share "
-          "of rollouts cut at the response cap")
+    print(
+        "gain = static CP predicted step time / dyncp predicted step time (sum over steps); "
+        "plan/step = the planner's wall time / the dyncp step time (worst step); at cap = share "
+        "of rollouts cut at the response cap"
+    )
 
 
 SUMMARY = re.compile(
@@ -105,20 +111,38 @@ def overlap(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = {}
     for mode in ("serial", "overlapped"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               str(example), "--steps", str(args.overlap_steps)]
-        run = subprocess.run(cmd + (["--serial"] if mode == "serial" else []), env=env,
-                             capture_output=True, text=True, timeout=600, check=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            str(example),
+            "--steps",
+            str(args.overlap_steps),
+        ]
+        run = subprocess.run(
+            cmd + (["--serial"] if mode == "serial" else []),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
         match = SUMMARY.search(run.stdout)
         if match is None:
             raise RuntimeError(f"no summary in the example's output:\n{run.stdout}{run.stderr}")
         out[mode] = tuple(float(g) for g in match.groups())
         plan, wait, step = out[mode]
-        print(f"{mode:10}: plan {plan:6.1f} ms  exposed wait {wait:6.1f} ms "
-              f"({wait / plan:5.1%} of planning)  step {step * 1e3:6.1f} ms")
+        print(
+            f"{mode:10}: plan {plan:6.1f} ms  exposed wait {wait:6.1f} ms "
+            f"({wait / plan:5.1%} of planning)  step {step * 1e3:6.1f} ms"
+        )
     s, o = out["serial"], out["overlapped"]
-    print(f"exposed wait overlapped / serial: {o[1] / s[1]:.3f}; step time overlapped / serial: "
-          f"{o[2] / s[2]:.3f} (2 gloo ranks, tiny decoder, {args.overlap_steps} steps)")
+    print(
+        f"exposed wait overlapped / serial: {o[1] / s[1]:.3f}; step time overlapped / serial: "
+        f"{o[2] / s[2]:.3f} (2 gloo ranks, tiny decoder, {args.overlap_steps} steps)"
+    )
 
 
 def main() -> None:

@@ -55,15 +55,26 @@ def main() -> None:
     pool = GroupPool()
     cost = CostModel.load(profile, ranks_per_node=world)
     planner = Planner(
-        cost, world=world, ranks_per_node=world, capacity=args.capacity,
-        time_limit=args.time_limit, cpsat=None,
+        cost,
+        world=world,
+        ranks_per_node=world,
+        capacity=args.capacity,
+        time_limit=args.time_limit,
+        cpsat=None,
     )
     rollouts = RolloutLengths(
-        prompts=args.prompts, group_size=args.group_size, prompt_tokens=(16, 64),
-        median_response=args.median_response, max_response=args.max_response,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        prompt_tokens=(16, 64),
+        median_response=args.median_response,
+        max_response=args.max_response,
     )
     static = Planner(
-        cost, world=world, ranks_per_node=world, capacity=args.capacity, policy="static",
+        cost,
+        world=world,
+        ranks_per_node=world,
+        capacity=args.capacity,
+        policy="static",
         max_length=rollouts.max_length,
     )
     torch.manual_seed(args.seed)
@@ -75,8 +86,10 @@ def main() -> None:
     def generate() -> tuple[np.ndarray, np.ndarray, dict[int, torch.Tensor]]:
         ids, lengths = rollouts.draw(rng)
         gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-        tokens = {int(i): torch.randint(0, cfg.vocab, (int(n),), generator=gen)
-                  for i, n in zip(ids, lengths)}
+        tokens = {
+            int(i): torch.randint(0, cfg.vocab, (int(n),), generator=gen)
+            for i, n in zip(ids, lengths)
+        }
         return ids, lengths, tokens
 
     span = datetime.timedelta(seconds=job_timeout())  # the job's timeout, not torch's 30 minutes

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import transformers
 
 from dyncp.cost_model import CostModel
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.integrations.hf import causal_lm_loss, plan_check, register_ring_attention
-from dyncp.metrics import Metrics
+from dyncp.observability.metrics import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.sampler import DynamicCPSampler
@@ -161,9 +161,7 @@ def main() -> None:
             f"--max-length {args.max_length} (truncated to it when a step draws them)"
         )
     check = plan_check(model)  # e.g. head splits with sliding-window layers: refused up front
-    for step, (plan, tokens, rows) in enumerate(
-        steps(args, planner, lengths, config, world, rank)
-    ):
+    for step, (plan, tokens, rows) in enumerate(steps(args, planner, lengths, config, world, rank)):
         batch = plan.lengths
         truncated = int((raw[rows] > args.max_length).sum())
         losses = []

@@ -12,10 +12,10 @@ cost model's predicted step time and the measured and predicted imbalance. Docum
 drawn from a bundled real distribution and truncated to ``--max-length``.
 
 With ``--calibrate``, every step's measured micro-batches are gathered to rank 0, which refits the
-cost model now and then (``dyncp.calibration.OnlineCalibrator``); an adopted version reaches every
-rank in the same collective, so all ranks re-plan with it from the next step on and keep running
-one plan. ``--save-profile`` writes the calibrated profile at the end, so the next run starts
-calibrated (``--profile PATH``).
+cost model now and then (``dyncp.cost_model.calibration.OnlineCalibrator``); an adopted version
+reaches every rank in the same collective, so all ranks re-plan with it from the next step on and
+keep running one plan. ``--save-profile`` writes the calibrated profile at the end, so the next run
+starts calibrated (``--profile PATH``).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.calibration import ModelVersion, OnlineCalibrator, VersionedPlanner
 from dyncp.cost_model import CostModel
-from dyncp.datasets import load_lengths, resolve_dataset
-from dyncp.metrics import Metrics
-from dyncp.planner import Planner
+from dyncp.cost_model.calibration import ModelVersion, OnlineCalibrator
+from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.observability.metrics import Metrics
+from dyncp.planner import Planner, VersionedPlanner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.runtime.measure import CollectiveCalibration
 from dyncp.sim.replay import admit, draw_batches
@@ -93,7 +93,9 @@ def main() -> None:
     calibration = None
     if args.calibrate:
         calibrator = OnlineCalibrator(
-            model_cost.profile, ranks_per_node=per_node, refit_every=args.refit_every,
+            model_cost.profile,
+            ranks_per_node=per_node,
+            refit_every=args.refit_every,
             min_measurements=16,
         )
         calibration = CollectiveCalibration(pool, calibrator)

@@ -25,7 +25,7 @@ pack pays the cheaper of the two (``ssm_exchange`` says which, for the caller to
 
 ``layers`` keeps its meaning for the ring formula (it multiplies the full-attention ring layer),
 so it is ``full_attention_layers`` here; the window and SSM terms are added on top. Calibration
-(``dyncp.cost_model.calibrate``) fits the full-attention terms only.
+(``dyncp.cost_model.calibration.fit``) fits the full-attention terms only.
 """
 
 from __future__ import annotations

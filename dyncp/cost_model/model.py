@@ -204,7 +204,7 @@ class CostModel:
         From ``communication.links`` when the profile lists them (the entry of that size, else of
         the next larger size listed: never an optimistic guess), else intra- or inter-node.
 
-        Any size of a menu (``dyncp.menu``): ``ranks_per_node`` is the NVLink domain, and the
+        Any size of a menu (``dyncp.plan.menu``): ``ranks_per_node`` is the NVLink domain, and the
         placement rules put a group of ``cp <= ranks_per_node`` inside one domain (the
         ``intra_node`` link: NVLink, whether cp divides the domain or not -- 3, 9, 64 on an
         NVL72) and a larger one on whole domains (``inter_node``). A table measured at some sizes

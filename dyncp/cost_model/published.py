@@ -3,8 +3,8 @@
     python -m dyncp.cost_model.published [--out profiles/]
 
 Each form is written as a profile JSON (``profiles/published-*.json``) whose predictions equal the
-published formula exactly (tests/test_published_profiles.py checks it to 1e-12). The formulas, with
-L the document lengths of one micro-batch and s (= cp) the group size:
+published formula exactly (tests/unit/cost_model/test_published_profiles.py checks it to 1e-12).
+The formulas, with L the document lengths of one micro-batch and s (= cp) the group size:
 
 - ``megatron``: ``a1 * sum(L^2) / s`` -- the workload Megatron Core's dynamic-CP packing balances;
 - ``flexsp``:  ``sum(a1 L^2 + a2 L) / s + beta + [s > 1] V * sum(L) / (s * bw[s])`` -- FlexSP's

@@ -317,7 +317,7 @@ def _kernel_assumptions(kernel: str, per_document: float) -> list[dict]:
             "name": "per (sequence x ring step) cost at CP > 1 (s)",
             "value": 0.0,
             "source": "not measured in these data (no ring was timed); 0 until calibration "
-            "learns it (dyncp.cost_model.calibrate fits ring_sequence_step_seconds)",
+            "learns it (dyncp.cost_model.calibration.fit fits ring_sequence_step_seconds)",
         },
     ]
 

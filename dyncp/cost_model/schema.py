@@ -78,8 +78,8 @@ __all__ = [
     "PROFILES_DIR",
 ]
 
-# Profiles live in the repository's top-level profiles/ folder (installs are editable: README).
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+# The bundled profiles are package data (pyproject.toml), so a wheel carries them.
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 class ProfileError(ValueError):

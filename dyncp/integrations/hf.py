@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from dyncp.plan import PlanError, StepPlan
-from dyncp.plan_slice import PlanSlice
+from dyncp.plan.slice import PlanSlice
 from dyncp.ring_attention import HybridLayout, RingLayout, ring_attention
 from dyncp.testing.tiny_model import IGNORE, next_token_labels
 
@@ -56,9 +56,7 @@ try:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "dyncp.integrations.hf needs transformers: pip install 'dyncp[hf]'"
-    ) from exc
+    raise ImportError("dyncp.integrations.hf needs transformers: pip install 'dyncp[hf]'") from exc
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -242,9 +240,7 @@ def plan_check(model: nn.Module) -> Callable[[StepPlan | PlanSlice], None]:
     def check(plan: StepPlan | PlanSlice) -> None:
         if not windowed:
             return
-        split = [
-            (w, g) for w, wave in enumerate(plan.waves) for g in wave.groups if g.heads > 1
-        ]
+        split = [(w, g) for w, wave in enumerate(plan.waves) for g in wave.groups if g.heads > 1]
         if split:
             w, g = split[0]
             raise PlanError(

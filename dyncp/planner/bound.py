@@ -28,7 +28,7 @@ Why it is valid:
   sizes add up to more than W share a rank, so their micro-batches run one after the other;
 - none of this assumes sizes that are powers of two or a particular placement: c ranges over the
   topology's menu, and groups of one wave hold disjoint ranks whatever the placement rules
-  (``dyncp.menu``), which only remove plans. So the bound holds for any menu.
+  (``dyncp.plan.menu``), which only remove plans. So the bound holds for any menu.
 
 Both timings of ``dyncp.cost_model.evaluate``: every part uses only that a rank's busy time
 (its micro-batches) and any one micro-batch fit in the step minus one wave overhead, and that two

@@ -159,8 +159,15 @@ class CpSatImprover:
         if not self.deterministic and estimate > VARIABLES_PER_SECOND * BUILD_SHARE * time_limit:
             build = time.perf_counter() - start
             return a, CpSatResult(
-                "SKIPPED: model too large for the time left", build, build, None, None,
-                False, len(big), len(buckets), estimate,
+                "SKIPPED: model too large for the time left",
+                build,
+                build,
+                None,
+                None,
+                False,
+                len(big),
+                len(buckets),
+                estimate,
             )
         where = {i: j for j, ids in enumerate(a.items) for i in ids}
         model = cp_model.CpModel()
@@ -200,8 +207,15 @@ class CpSatImprover:
                 # The model alone would eat the deadline (thousands of slots): give up early.
                 build = time.perf_counter() - start
                 return a, CpSatResult(
-                    "SKIPPED: model too large for the time left", build, build, None, None,
-                    False, len(big), len(buckets), 0,
+                    "SKIPPED: model too large for the time left",
+                    build,
+                    build,
+                    None,
+                    None,
+                    False,
+                    len(big),
+                    len(buckets),
+                    0,
                 )
             min_cp = key[0]
             eligible = np.flatnonzero(a.size >= min_cp).tolist()

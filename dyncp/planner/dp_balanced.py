@@ -95,6 +95,4 @@ def dp_balanced_plan(
         Group(starts[d], cp, tuple(MicroBatch(tuple(p)) for p in packs[d::dp]))
         for d in range(min(dp, len(packs)))
     )
-    return StepPlan(
-        topology, tuple(int(s) for s in lengths), (Wave(groups),), policy="dp-balanced"
-    )
+    return StepPlan(topology, tuple(int(s) for s in lengths), (Wave(groups),), policy="dp-balanced")

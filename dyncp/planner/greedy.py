@@ -405,8 +405,8 @@ class GreedyConstructor:
         wave, constants and its CP size's row of each table (one plain list per row, for the
         sizes some class has) bound once. The order of sequences, the keys and their ties are
         those of the plain formulation (key = (rise above the wave's level, rank-seconds, new
-        load, wave x sizes + row), the least wins; ``tests/test_deferred_bound.py`` keeps it as
-        the reference), so the plans are.
+        load, wave x sizes + row), the least wins; ``tests/unit/planner/test_deferred_bound.py``
+        keeps it as the reference), so the plans are.
         """
         slot_items, slot_marg, slot_tokens = slots
         marg, pad, fixed, unit = tables

@@ -91,12 +91,12 @@ open node whose fixings agree with P, with T = S - o):
   are slower than the serial plan (each sequence alone at its fastest size, one wave each),
   whose node is feasible. So the least open value is at most S.
 
-Any menu (``dyncp.menu``): c ranges over ``topology.group_sizes`` and the only use of where groups
-sit is that groups running at once hold disjoint ranks, at most W in a wave (dataflow: a rank
+Any menu (``dyncp.plan.menu``): c ranges over ``topology.group_sizes`` and the only use of where
+groups sit is that groups running at once hold disjoint ranks, at most W in a wave (dataflow: a rank
 runs one group at a time, any ranks per group). Neither needs sizes
 that are powers of two, nor aligned blocks; the placement rules only remove plans, so the bound
-holds for every menu (tests/test_lp_bound_exact.py checks it against the exhaustive optimum on
-menus of 3, 5, 6 and 12).
+holds for every menu (tests/unit/planner/test_lp_bound_exact.py checks it against the exhaustive
+optimum on menus of 3, 5, 6 and 12).
 
 The ``TOP`` longest (by least time alone) free sequences are branched on first, whatever the LP
 does with them. A node that fixes the sizes of a set H of them (each h at size c_h, time alone
@@ -134,8 +134,8 @@ one after the other).
 Dataflow holding (``timing="dataflow"``, the default). Under dataflow no group waits for a wave
 to end, so a group's ranks are not held for its wave's level (they start their next group as
 soon as it is over) and overheads are paid per group, not per wave: the barrier layout value
-above can exceed a dataflow plan (tests/test_lp_bound_exact.py builds one). A layout is a
-partition of H into groups (one size each); in a plan P with that layout:
+above can exceed a dataflow plan (tests/unit/planner/test_lp_bound_exact.py builds one). A layout
+is a partition of H into groups (one size each); in a plan P with that layout:
 
 - group g lasts at least o + t_g (F1; t_g as above) on c_g ranks, each of which runs it apart
   from its other groups (one after another), and it starts when its last member is free. So P's

@@ -99,9 +99,7 @@ def _form_wave(
             groups.append(group)
             free -= needed
         else:
-            fits = [
-                g for g in groups if g.size == needed and g.per_rank_tokens + share <= capacity
-            ]
+            fits = [g for g in groups if g.size == needed and g.per_rank_tokens + share <= capacity]
             if not fits:
                 break
             group = min(fits, key=lambda g: g.load)

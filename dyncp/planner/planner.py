@@ -317,7 +317,7 @@ class Planner:
     def _construct_menu(
         self, lengths: np.ndarray, core: Topology, deadline: float | None
     ) -> tuple[StepPlan, GreedyConstructor]:
-        """A menu whose sizes do not nest (``dyncp.menu``: 8 and 9 on an NVL72): two
+        """A menu whose sizes do not nest (``dyncp.plan.menu``: 8 and 9 on an NVL72): two
         constructions, each with half of the time, one on the menu and one on its powers of two
         (which nest); the faster wins, as a plan of the menu's topology.
 

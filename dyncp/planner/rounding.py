@@ -28,9 +28,9 @@ gives S > T + o; the bound is the largest one found (bisection on T), plus o.
 
 Where it binds: batches whose sequences each want a large share of the ranks for a large share
 of the step, where the LP, which charges ranks only for busy time and may run a sequence partly
-at two sizes, sees room that whole groups do not leave (tests/test_rounding_bound.py: 2-8 ranks,
-up to 28 points of the optimum). On the 64-rank scenarios of ``bench/bound_bench.py`` it has not
-raised the bound so far; it costs one check there (the first T above the LP's is possible).
+at two sizes, sees room that whole groups do not leave (tests/unit/planner/test_rounding_bound.py:
+2-8 ranks, up to 28 points of the optimum). On the 64-rank scenarios of ``bench/bound_bench.py`` it
+has not raised the bound so far; it costs one check there (the first T above the LP's is possible).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.cost_model.calibrate import Measurement
+from dyncp.cost_model.calibration.fit import Measurement
 from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
 from dyncp.testing import TinyDecoder, next_token_labels
 

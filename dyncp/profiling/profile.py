@@ -23,7 +23,7 @@ What it measures, per transformer layer of the model shape (``--model``):
 - finally, packs of real document lengths filling ``--capacity`` tokens per rank at every CP size
   (``--calibration-packs`` per size, as ``dyncp.profiling.validate`` runs them but other packs):
   the profile built from the pieces above is the prior of a robust refit to these
-  (``dyncp.cost_model.calibrate.fit_profile``), so the coefficients describe whole micro-batches
+  (``dyncp.cost_model.calibration.fit_profile``), so the coefficients describe whole micro-batches
   as training runs them, and settle whether ring transfers overlap compute on this machine.
 
 Every fit's relative error is written into the provenance. The run stops measuring new points
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import least_squares, nnls
 
-from dyncp.cost_model.calibrate import Measurement, fit_profile
+from dyncp.cost_model.calibration.fit import Measurement, fit_profile
 from dyncp.cost_model.schema import Profile, ProfileError, RunContext, load_profile
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.profiling.packs import measure_packs, ring_sizes
 from dyncp.ring_attention import make_ring_layout, ring_attention, zigzag_positions, zigzag_shard
 from dyncp.ring_attention.comm import ring_exchange

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, ProfileError, RunContext
-from dyncp.datasets import load_lengths, resolve_dataset
+from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.profiling.packs import measure_packs, random_pack, ring_sizes
 from dyncp.profiling.profile import run_context
 from dyncp.testing import TinyConfig, TinyDecoder

@@ -8,7 +8,7 @@ kernel calls the underlying aten operators directly, on the dense padded batches
   bfloat16, float16.
 * CUDA: ``_scaled_dot_product_efficient_attention`` (+ ``_backward``): float32, bfloat16,
   float16. Written against the operator schemas of torch 2.13 and checked only by the GPU tests
-  (``tests/test_ring_attention.py``, skipped without CUDA).
+  (``tests/multirank/test_ring_attention.py``, skipped without CUDA).
 
 A batch without padding slots (always the case for a batch of one sequence, hence for long
 sequences) runs without a mask, causal through the operator's own flag (top-left aligned, which

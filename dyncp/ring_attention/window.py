@@ -149,9 +149,7 @@ class _Pair:
     mask: torch.Tensor  # (nq, nk) bool
 
 
-def _pairs(
-    layout: RingLayout, source: int, *, window: int, device: torch.device
-) -> list[_Pair]:
+def _pairs(layout: RingLayout, source: int, *, window: int, device: torch.device) -> list[_Pair]:
     """The sequences of the step with ``source``'s K/V block whose masks are not all empty."""
     cp, r = layout.cp, layout.rank
     q_pos = zigzag_positions(seqlens=layout.seqlens, cp=cp, rank=r)

@@ -30,15 +30,15 @@ issues them in the one wave order (the pattern behind NCCL's multi-communicator 
 Safety, in the order it happens:
 
 1. One plan per step: before the first collective, the ranks compare (call number, plan digest)
-   in one all_reduce (``dyncp.agreement``: latency logarithmic in the ranks on NCCL); a rank on
-   another plan or another step makes every rank raise :class:`PlanMismatchError` naming it
+   in one all_reduce (``dyncp.control.agreement``: latency logarithmic in the ranks on NCCL); a
+   rank on another plan or another step makes every rank raise :class:`PlanMismatchError` naming it
    and the digests. ``agree=False`` skips it when the plan was already compared this step
    (a :class:`~dyncp.sampler.DynamicCPSampler` with its agreement on does that).
 2. The plan is validated, and every group it needs checked against the pool, before any ring
    collective, so a wrong plan makes every rank raise the same PlanError instead of hanging
    (``validate=False`` checks this rank's groups only, for plans validated where they were made).
 3. A rank whose ``step_fn`` raises leaves a signed report on the pool's failure board
-   (``dyncp.runtime.failures``) and raises at once. Its group's other members learn of it when
+   (``dyncp.control.failures``) and raises at once. Its group's other members learn of it when
    their collectives with it fail (the group's timeout T, or at once when its connections
    close), wait for the group's reports, and raise :class:`StepFailed` naming it (a rank that
    raised; else one that stayed silent -- hung, exited, skipped ``execute``; else one that
@@ -60,9 +60,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dyncp.agreement import PendingAgreement, PlanAgreementError, PlanMismatchError
+from dyncp.control.agreement import PendingAgreement, PlanAgreementError, PlanMismatchError
+from dyncp.control.failures import (
+    FailureBoard,
+    is_communication_error,
+    name_after_failed_wait,
+)
 from dyncp.plan import Group, PlanError, StepPlan, plan_digest
-from dyncp.plan_slice import PlanSlice
+from dyncp.plan.slice import PlanSlice
 from dyncp.ring_attention import (
     HybridLayout,
     RingLayout,
@@ -70,11 +75,6 @@ from dyncp.ring_attention import (
     make_ring_layout,
     zigzag_positions,
     zigzag_shard,
-)
-from dyncp.runtime.failures import (
-    FailureBoard,
-    is_communication_error,
-    name_after_failed_wait,
 )
 from dyncp.runtime.group_pool import GroupPool
 
@@ -235,7 +235,7 @@ def execute(
 
     Args:
         plan: the step's plan (identical on every rank; checked unless ``agree=False``), or
-            this rank's :class:`~dyncp.plan_slice.PlanSlice` of it (the ranks then compare the
+            this rank's :class:`~dyncp.plan.slice.PlanSlice` of it (the ranks then compare the
             slices' root, and only this rank's groups are checked: the maker validated the plan).
         pool: the pre-built groups.
         step_fn: forward + backward of one micro-batch; called with its context.

@@ -2,7 +2,7 @@
 
 Creating a process group is a collective over the whole job and costs milliseconds to seconds on
 NCCL, so switching layouts must never create one. The pool builds, at start-up, one group for
-every block the placement rules allow (``dyncp.menu``: inside one NVLink domain of
+every block the placement rules allow (``dyncp.plan.menu``: inside one NVLink domain of
 ``ranks_per_node`` ranks, or on whole domains) of every allowed CP size c > 1 (size 1 needs no
 ring), on the DP x CP axis -- either the whole world or a sub-world of a larger job with TP/PP,
 given as the list of its global ranks in DP x CP order. All ranks of the job must construct the
@@ -19,7 +19,7 @@ ascending, blocks ascending), then the ring sub-groups of every allowed c and u 
 (c ascending, u ascending, blocks ascending, j ascending). u need not be a power of two (a group
 of 6 may run 2 x 3 or 3 x 2, one of 12 4 x 3).
 
-How many, and what they cost: :func:`dyncp.menu.pool_count` counts the communicators without
+How many, and what they cost: :func:`dyncp.plan.menu.pool_count` counts the communicators without
 creating any (the pool builds exactly those, ``count``). Each rank is in at most one block per
 size, so a menu of m sizes costs at most m - 1 ring communicators per rank (plus head and ring
 sub-groups). NCCL stages point-to-point traffic in buffers of ``NCCL_BUFFSIZE`` bytes, 4 MiB by
@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dyncp.menu import (
+from dyncp.control.failures import FailureBoard, shared_secret
+from dyncp.plan.menu import (
     PoolCount,
     check_sizes,
     is_placement,
@@ -64,7 +65,6 @@ from dyncp.menu import (
     pool_count,
     split_allowed,
 )
-from dyncp.runtime.failures import FailureBoard, shared_secret
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -97,7 +97,7 @@ class GroupPool:
         ranks_per_node: ranks of one NVLink domain on the axis, the plan's
             ``topology.ranks_per_node`` (default: the whole axis is one domain).
         head_sizes: allowed head-parallel degrees u (1 always included, each splitting some
-            allowed size, ``dyncp.menu.split_allowed``); see the module docstring.
+            allowed size, ``dyncp.plan.menu.split_allowed``); see the module docstring.
         warmup: run one all_reduce on each own group right away.
         timeout: seconds after which a collective on the pool's groups fails (default: the
             job's timeout, see :func:`job_timeout`).
@@ -106,7 +106,7 @@ class GroupPool:
     Attributes:
         world: size of the DP x CP axis; ``position``: this rank's index on it (None if absent).
         created: number of groups created; ``creation_seconds``: wall time of creating them.
-        count: what was created, counted by ``dyncp.menu.pool_count`` (total, per rank, the
+        count: what was created, counted by ``dyncp.plan.menu.pool_count`` (total, per rank, the
             NCCL buffer estimate); ``creation_calls``: collective creation calls made (one per
             family of disjoint groups with ``split_group`` on NCCL, one per group otherwise).
         axis_group: a group over the whole axis (None when the axis is the whole job).
@@ -218,7 +218,7 @@ class GroupPool:
         self.creation_seconds = time.perf_counter() - start
 
     def _build(self, kwargs: dict) -> None:
-        """Blocks, then head blocks, then ring sub-groups (``dyncp.menu.pool_blocks`` order),
+        """Blocks, then head blocks, then ring sub-groups (``dyncp.plan.menu.pool_blocks`` order),
         one creation call per family of disjoint groups."""
         blocks, head_blocks, rings = pool_blocks(
             self.group_sizes, self.head_sizes, world=self.world, ranks_per_node=self.ranks_per_node
@@ -283,8 +283,10 @@ class GroupPool:
         can run (its groups built, or size 1)."""
         if size == 1:
             return 0 <= start < self.world and heads == 1
-        built = (start, size) in self._groups or self.position is None or not (
-            start <= self.position < start + size
+        built = (
+            (start, size) in self._groups
+            or self.position is None
+            or not (start <= self.position < start + size)
         )
         placed = size in self.group_sizes and is_placement(
             start, size, world=self.world, ranks_per_node=self.ranks_per_node

@@ -15,8 +15,8 @@ micro-batches, at the member that waited least. A wave's measurement is its slow
 busy time plus the median switching cost of its groups.
 
 :class:`CollectiveCalibration` closes the loop without a plan service: at the end of a step every
-rank calls ``step()``; rank 0 refits (an :class:`~dyncp.calibration.OnlineCalibrator`) and a
-broadcast hands the adopted model version to every rank in the same call, so all ranks switch
+rank calls ``step()``; rank 0 refits (an :class:`~dyncp.cost_model.calibration.OnlineCalibrator`)
+and a broadcast hands the adopted model version to every rank in the same call, so all ranks switch
 models at the same step boundary and their deterministic planners keep producing one plan.
 """
 
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch.distributed as dist
 
-from dyncp.calibration import ModelVersion, OnlineCalibrator
-from dyncp.cost_model.calibrate import Measurement, WaveMeasurement
-from dyncp.model_channel import MeasurementChannel
+from dyncp.control.model_channel import MeasurementChannel
+from dyncp.cost_model.calibration.fit import Measurement, WaveMeasurement
+from dyncp.cost_model.calibration.online import ModelVersion, OnlineCalibrator
 from dyncp.plan import StepPlan
 from dyncp.runtime.executor import RankReport
 from dyncp.runtime.group_pool import GroupPool
@@ -57,7 +57,7 @@ def step_measurements(
 
     Micro-batches of groups split heads x ring (``Group.heads`` > 1) carry their split
     (``Measurement.heads``): the refit learns the head exchange and the attention of 1/u of the
-    heads from them (``dyncp.cost_model.calibrate``).
+    heads from them (``dyncp.cost_model.calibration.fit``).
 
     Raises:
         ValueError: the reports do not match the plan (another step's, or a failed step's).
@@ -153,7 +153,7 @@ class StoreMeasurements:
     Every rank calls :meth:`step` after every executed step (it gathers, a collective); axis
     position 0 pushes the step's micro-batch and wave measurements to the Store, where the
     calibrating plan service (``DynamicCPSampler(calibrate=...)`` on the serving rank, or
-    ``python -m dyncp.serve --calibrate``) drains them.
+    ``python -m dyncp.service --calibrate``) drains them.
     """
 
     def __init__(self, pool: GroupPool, channel: MeasurementChannel) -> None:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dyncp.control.failures import is_communication_error
 from dyncp.runtime.executor import reduction_failed
-from dyncp.runtime.failures import is_communication_error
 from dyncp.runtime.group_pool import GroupPool
 
 __all__ = ["naming_failures", "reduce_gradients", "reduce_loss"]

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dyncp.agreement import agree
+from dyncp.control.agreement import agree
 from dyncp.plan import StepPlan, plan_digest
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner

@@ -1,7 +1,7 @@
 """DynamicCPSampler: yields this rank's micro-batches of dyncp step plans to a torch DataLoader.
 
 Per step it obtains the plan (``dyncp.sampler.sources``), optionally compares the plan's digest
-with every other rank's (``dyncp.agreement``), and yields this rank's micro-batches
+with every other rank's (``dyncp.control.agreement``), and yields this rank's micro-batches
 (``dyncp.sampler.microbatches``); it keeps the position and recent plans for ``state_dict``.
 """
 
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.agreement import AgreementGroup, PendingAgreement
-from dyncp.calibration import OnlineCalibrator
-from dyncp.model_channel import ModelChannel, ServiceCalibration
+from dyncp.control.agreement import AgreementGroup, PendingAgreement
+from dyncp.control.model_channel import ModelChannel, ServiceCalibration
+from dyncp.control.signing import RUN_ENV, PlanSigner
+from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.plan import StepPlan
-from dyncp.plan_auth import RUN_ENV, PlanSigner
-from dyncp.plan_slice import PlanSlice, SliceUnavailable, check_slice_header
+from dyncp.plan.slice import PlanSlice, SliceUnavailable, check_slice_header
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
@@ -107,10 +107,10 @@ class DynamicCPSampler:
             None: every rank plans locally (``planner`` must be deterministic if world_size > 1).
         prefix: job namespace of the Store keys.
         serve: run the plan service in this process (default: rank 0 when a store is given);
-            False on every rank when ``python -m dyncp.serve`` runs it.
+            False on every rank when ``python -m dyncp.service`` runs it.
         deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
         secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
-            the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.plan_auth``).
+            the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.control.signing``).
         group: the plan agreement. Before the first micro-batch of each step is yielded, every
             rank compares the step's plan digest with the others' (one all_reduce of 48 bytes)
             and, if any differs, every rank raises ``PlanMismatchError`` in that step; a rank
@@ -128,18 +128,18 @@ class DynamicCPSampler:
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
         slices: read each step's slice header and this rank's slice from the plan service
-            (``dyncp.plan_slice``: about a kilobyte per rank, checked against the header's
+            (``dyncp.plan.slice``: about a kilobyte per rank, checked against the header's
             Merkle root, whose digest the ranks compare) instead of the whole plan; needs
             ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
-            :class:`~dyncp.plan_slice.PlanSlice`. Not with ``calibrate`` (measurements need the
+            :class:`~dyncp.plan.slice.PlanSlice`. Not with ``calibrate`` (measurements need the
             whole plan).
         budget: how long each step is planned, by the plan service or the local lookahead
             thread: a share of its predicted seconds (``dyncp.planner.budget``; default 0.25
             within [0.1 s, 2 s]). ``None``: the planner's own ``time_limit``.
         run_id: the run the plan records are bound to (a record of an earlier run of the same
-            job does not verify; see ``dyncp.plan_auth``). Default: ``$DYNCP_RUN_ID``; else,
+            job does not verify; see ``dyncp.control.signing``). Default: ``$DYNCP_RUN_ID``; else,
             when a rank of the job serves in-process (the default), an id drawn for this run and
-            shared over the agreement group; else none. A standalone ``python -m dyncp.serve``
+            shared over the agreement group; else none. A standalone ``python -m dyncp.service``
             must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
         calibrate: online calibration of the cost model (needs ``store``): readers' fallbacks

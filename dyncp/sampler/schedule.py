@@ -1,7 +1,7 @@
 """The global batches of every epoch: a seeded permutation of the dataset cut by tokens or count.
 
 Every rank computes the same cut from (lengths, seed, epoch), so the schedule needs no
-communication; the plan service and ``python -m dyncp.serve`` read batches from it as well.
+communication; the plan service and ``python -m dyncp.service`` read batches from it as well.
 """
 
 from __future__ import annotations

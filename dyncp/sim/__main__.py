@@ -31,7 +31,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import ProfileError, bundled_profiles
-from dyncp.datasets import (
+from dyncp.data.readers import (
     BUNDLED,
     DEFAULT_DATASET,
     DatasetError,
@@ -39,9 +39,9 @@ from dyncp.datasets import (
     load_lengths,
     resolve_dataset,
 )
-from dyncp.menu import MENU_KINDS, menu_sizes
-from dyncp.metrics import Exporter, Metrics
+from dyncp.observability.metrics import Exporter, Metrics
 from dyncp.plan import StepPlan
+from dyncp.plan.menu import MENU_KINDS, menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
 from dyncp.sim.progress import Progress
 from dyncp.sim.replay import (
@@ -109,7 +109,7 @@ def _head_sizes(text: str) -> tuple[int, ...]:
 
 
 def _group_sizes(text: str) -> str | tuple[int, ...]:
-    """A menu kind (``dyncp.menu.MENU_KINDS``) or comma-separated sizes."""
+    """A menu kind (``dyncp.plan.menu.MENU_KINDS``) or comma-separated sizes."""
     if text in MENU_KINDS:
         return text
     try:
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MENU",
         help="the menu of CP sizes: powers-of-two (default: those dividing the world that fit "
         "the placement rules), divisors (divisors of --ranks-per-node, the NVLink domain, and "
-        "whole-domain multiples), or a list such as 1,2,3,4,6,8,12 (see dyncp.menu)",
+        "whole-domain multiples), or a list such as 1,2,3,4,6,8,12 (see dyncp.plan.menu)",
     )
     p.add_argument(
         "--time-limit",

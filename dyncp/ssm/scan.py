@@ -57,8 +57,7 @@ def diagonal_scan(a: torch.Tensor, x: torch.Tensor, layout: RingLayout) -> torch
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != layout.local_tokens:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
-                f"{name} must be (layout.local_tokens={layout.local_tokens}, channels), "
-                f"got {shape}"
+                f"{name} must be (layout.local_tokens={layout.local_tokens}, channels), got {shape}"
             )
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be floating point, got {t.dtype}")

@@ -1,0 +1,7 @@
+"""The control plane: what makes every rank run the same, authentic plan, and name a failure.
+
+Modules: ``signing`` (signed plan records, torch-free), ``failures`` (the failure board naming
+the failing rank through the Store), ``agreement`` (the per-step plan-digest comparison, one
+all_reduce), ``model_channel`` (cost-model versions and measurements through the Store). The last
+three use torch.distributed; import them from their modules.
+"""

@@ -1,0 +1,39 @@
+"""Calibration: refit a profile to measured micro-batches and steps, online or offline; torch-free.
+
+Modules: ``measurements`` (what a measurement is, the bounded buffer), ``fit`` (the robust refit
+of a profile), ``mix`` (the same for layer-mix profiles), ``level`` (the robust level of a
+regime: a uniform rescale), ``online`` (OnlineCalibrator: refits while training runs, model
+versions).
+"""
+
+from dyncp.cost_model.calibration.fit import CalibrationResult, fit_profile, prediction_errors
+from dyncp.cost_model.calibration.measurements import (
+    BufferedMeasurement,
+    CalibrationError,
+    Measurement,
+    MeasurementBuffer,
+    WaveMeasurement,
+)
+from dyncp.cost_model.calibration.online import (
+    MeasurementRecord,
+    ModelVersion,
+    OnlineCalibrator,
+    decode_measurements,
+    encode_measurements,
+)
+
+__all__ = [
+    "BufferedMeasurement",
+    "CalibrationError",
+    "CalibrationResult",
+    "Measurement",
+    "MeasurementBuffer",
+    "MeasurementRecord",
+    "ModelVersion",
+    "OnlineCalibrator",
+    "WaveMeasurement",
+    "decode_measurements",
+    "encode_measurements",
+    "fit_profile",
+    "prediction_errors",
+]

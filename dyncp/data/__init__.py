@@ -1,0 +1,26 @@
+"""Sequence lengths from files, and the bundled samples; torch-free.
+
+``readers`` loads one length per document from parquet / csv / jsonl / txt / npy with errors that
+name what is wrong; ``samples/`` holds the bundled samples of real length distributions (package
+data: a wheel carries them).
+"""
+
+from dyncp.data.readers import (
+    BUNDLED,
+    DEFAULT_DATASET,
+    SUPPORTED_SUFFIXES,
+    DatasetError,
+    describe,
+    load_lengths,
+    resolve_dataset,
+)
+
+__all__ = [
+    "BUNDLED",
+    "DEFAULT_DATASET",
+    "SUPPORTED_SUFFIXES",
+    "DatasetError",
+    "describe",
+    "load_lengths",
+    "resolve_dataset",
+]

@@ -1,0 +1,51 @@
+"""Plans tagged with the cost-model version they were priced with (online calibration).
+
+The calibrator (``dyncp.cost_model.calibration.online``) produces model versions; a planner above
+it wraps the planner in use so that each plan says which version priced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dyncp.cost_model.calibration.online import ModelVersion
+from dyncp.plan.contract import StepPlan
+
+__all__ = ["VersionedPlanner"]
+
+
+class VersionedPlanner:
+    """A planner whose plans carry the model version they were priced with.
+
+    Delegates everything to ``planner`` built on ``version``'s cost model; ``plan()`` adds
+    ``plan.stats["model_version"]``. ``planner.model`` must be the version's model (use
+    :meth:`rebuild` to move a planner to a new version).
+    """
+
+    def __init__(self, planner: Any, version: ModelVersion) -> None:
+        self.inner = planner
+        self.version = version
+
+    @classmethod
+    def rebuild(cls, planner: Any, version: ModelVersion) -> VersionedPlanner:
+        """``planner`` with the same options on ``version``'s model (a shallow copy: the solver
+        and its status counters are shared)."""
+        import copy
+
+        base = planner.inner if isinstance(planner, VersionedPlanner) else planner
+        inner = copy.copy(base)
+        inner.model = version.model(base.model.ranks_per_node)
+        return cls(inner, version)
+
+    def plan(self, lengths: Sequence[int] | np.ndarray, **options: Any) -> StepPlan:
+        """The inner planner's plan (``options``: its ``plan()`` keywords, e.g. ``budget``),
+        tagged with the model version."""
+        plan = self.inner.plan(lengths, **options)
+        plan.stats["model_version"] = self.version.version
+        return plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
