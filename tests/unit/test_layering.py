@@ -3,11 +3,11 @@ import, no test helper in library code, no library file over 500 lines.
 
 Why read the source (``ast``) instead of importing: an import inside a function body runs only
 when the function does, so importing a module proves nothing about it; every ``import`` statement
-in a file counts here, wherever it is (also under ``if TYPE_CHECKING:``), as
-``/work/shared/tools/house_check.py``-style checks see them. Why no import-linter: it covers layers
-and forbidden imports but not the line count or the allow-lists below, and a 100-line graph needs
-no new dependency. The mutation tests at the end run the same checks on a copy of ``dyncp/`` with
-one violation written in, so a check that stopped seeing anything would fail there.
+in a file counts here, wherever it is (also under ``if TYPE_CHECKING:``). Why not import-linter:
+it covers layers and forbidden imports, but not the line count, the own-facade rule or the
+allow-lists below, and a graph of a hundred lines needs no new dependency. The mutation tests at
+the end run the same checks on a copy of ``dyncp/`` with one violation written in, so a check that
+stopped seeing anything would fail there.
 """
 
 from __future__ import annotations
