@@ -20,27 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from layout_page import LAYERS, TORCH_FREE
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: dyncp's packages, low to high: a module may import its own package, a package of its own layer
-#: or of a lower one. ``dyncp.testing`` (test helpers) is on top and imported by no library module.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("plan", "data"),
-    ("cost_model",),
-    ("planner",),
-    ("observability", "sim"),
-    ("control",),
-    ("ring_attention", "ssm"),
-    ("runtime",),
-    ("service",),
-    ("sampler",),
-    ("integrations", "profiling"),
-    ("testing",),
-)
-#: Packages that import none of HEAVY, not even lazily, not through another dyncp module
-#: (``python -m dyncp.sim`` and the planner run on a machine without torch).
-TORCH_FREE = ("plan", "data", "cost_model", "planner", "observability", "sim")
+# The layer order (low to high: a module may import its own package, a package of its own layer or
+# of a lower one; dyncp.testing on top, imported by no library module) and the torch-free packages
+# are stated once, in tools/layout_page.py, which draws them on docs/layout.md.
+
+#: What a torch-free package never imports, directly or through another dyncp module.
 HEAVY = frozenset({"torch", "transformers", "accelerate", "trl"})
 #: Top-level modules outside the layers: the package root and the old-path aliases (which import
 #: their targets by name, at run time, for code written against dyncp 0.1).
