@@ -32,21 +32,22 @@ with one worker, a deterministic time limit and a fixed seed, and whether it run
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
 machine.
 
-Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.lp_bound``, a few
-milliseconds) with ``bound="tight"`` (default), the closed-form one (``dyncp.planner.bound``) with
-``bound="simple"``; both are reported (``simple_lower_bound_seconds``) and the gap is against the
-tighter. ``timings.plan_seconds`` is the wall clock of the whole ``plan()`` call, validation
-included, and the bounds unless they are deferred.
+Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.bounds.lp_bound``, a
+few milliseconds) with ``bound="tight"`` (default), the closed-form one
+(``dyncp.planner.bounds.closed_form``) with ``bound="simple"``; both are reported
+(``simple_lower_bound_seconds``) and the gap is against the tighter. ``timings.plan_seconds`` is the
+wall clock of the whole ``plan()`` call, validation included, and the bounds unless they are
+deferred.
 
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
-(``dyncp.planner.deferred``): the plan's bound fields are ``None`` and ``stats["bound"]["status"]``
-is ``"PENDING"`` until it is written; ``Planner.wait_bound(plan)`` waits for it. ``"auto"``
-(default) defers where the bound would not fit the deadline: with a wall-clock deadline, when the
-bound is predicted (``BOUND_SECONDS_PER_SEQUENCE`` per sequence) to take more than
-``DEFER_SHARE`` of ``time_limit`` and more than ``DEFER_MIN_SECONDS`` -- never for a batch of at
-most 3,333 sequences, never in deterministic mode. ``"always"`` and ``"never"`` force it. A
-deferred bound is the same number the synchronous one is (the same computation, later).
+(``dyncp.planner.bounds.deferred``): the plan's bound fields are ``None`` and
+``stats["bound"]["status"]`` is ``"PENDING"`` until it is written; ``Planner.wait_bound(plan)``
+waits for it. ``"auto"`` (default) defers where the bound would not fit the deadline: with a
+wall-clock deadline, when the bound is predicted (``BOUND_SECONDS_PER_SEQUENCE`` per sequence) to
+take more than ``DEFER_SHARE`` of ``time_limit`` and more than ``DEFER_MIN_SECONDS`` -- never for a
+batch of at most 3,333 sequences, never in deterministic mode. ``"always"`` and ``"never"`` force
+it. A deferred bound is the same number the synchronous one is (the same computation, later).
 """
 
 from __future__ import annotations
@@ -62,20 +63,20 @@ import numpy as np
 from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
-from dyncp.planner.assignment import Assignment
-from dyncp.planner.baselines import BaselineCandidates
-from dyncp.planner.bound import lower_bound
+from dyncp.planner.baselines.candidates import BaselineCandidates
+from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
+from dyncp.planner.baselines.megatron import megatron_plan
+from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.bounds.closed_form import lower_bound
+from dyncp.planner.bounds.deferred import DeferredBounds
+from dyncp.planner.bounds.lp_bound import lp_lower_bound
 from dyncp.planner.budget import StepBudget
-from dyncp.planner.cpsat import CpSatImprover
-from dyncp.planner.deferred import DeferredBounds
-from dyncp.planner.dp_balanced import dp_balanced_plan
-from dyncp.planner.greedy import GreedyConstructor
-from dyncp.planner.head_split import SplitEnvelope, choose_splits
-from dyncp.planner.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
-from dyncp.planner.laminar import LaminarImprover
-from dyncp.planner.lp_bound import lp_lower_bound
-from dyncp.planner.megatron import megatron_plan
-from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.construction.assignment import Assignment
+from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.improvement.cpsat import CpSatImprover
+from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
+from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
+from dyncp.planner.improvement.laminar import LaminarImprover
 
 __all__ = [
     "Planner",
@@ -117,8 +118,9 @@ log = logging.getLogger(__name__)
 #: load, and a skipped baseline is a step on which dyncp may lose to it; the construction always
 #: realises its first structure, whatever is left.
 BASELINE_SHARE = 0.75
-#: Share of what is left after the constructor that the layout search (``dyncp.planner.laminar``,
-#: batches of at most ``LAYOUT_MAX_SEQUENCES``) may take before CP-SAT on the slots gets the rest.
+#: Share of what is left after the constructor that the layout search
+# (``dyncp.planner.improvement.laminar``, : batches of at most ``LAYOUT_MAX_SEQUENCES``) may take
+# before CP-SAT on the slots gets the rest.
 LAYOUT_SHARE = 0.6
 
 
@@ -173,9 +175,10 @@ class Planner:
             is not deferred), still at most half.
         head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
             ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
-            split and then gives each group its fastest split (``dyncp.planner.head_split``);
-            the other policies run rings (u = 1). The lower bound counts the splits whatever
-            the policy, so every policy's gap is against the same bound.
+            split and then gives each group its fastest split
+            (``dyncp.planner.improvement.head_split``); the other policies run rings (u = 1). The
+            lower bound counts the splits whatever the policy, so every policy's gap is against the
+            same bound.
         query_heads, kv_heads: the model's attention heads (default: the profile's
             ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
         timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``): ``"dataflow"``
@@ -189,7 +192,7 @@ class Planner:
         baselines: build the baseline policies' plans as candidates of the dyncp policies
             (``dyncp.planner.baselines``), so that the plan handed out is never slower than
             theirs; ``False`` shows what the search alone finds.
-        layout: run the layout search (``dyncp.planner.laminar``) on batches of at most
+        layout: run the layout search (``dyncp.planner.improvement.laminar``) on batches of at most
             ``LAYOUT_MAX_SEQUENCES`` sequences, before CP-SAT, with ``LAYOUT_SHARE`` of the time
             left (when that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; so never
             at the default ``time_limit``); off with ``cpsat=None`` too.
@@ -428,9 +431,9 @@ class Planner:
     def _run_layout(
         self, plan: StepPlan, cost: PlanCost, start: float, stats: dict, limit: float
     ) -> tuple[StepPlan, PlanCost]:
-        """The layout search (``dyncp.planner.laminar``) on a small batch for ``LAYOUT_SHARE``
-        of what is left of ``limit`` (deterministic mode: of ``limit`` units), when that is at
-        least ``LAYOUT_SHARE`` x ``min_improve_seconds``; kept only if valid and faster.
+        """The layout search (``dyncp.planner.improvement.laminar``) on a small batch for
+        ``LAYOUT_SHARE`` of what is left of ``limit`` (deterministic mode: of ``limit`` units), when
+        that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; kept only if valid and faster.
         Deterministic mode leaves CP-SAT its own ``limit`` units (reproducible either way)."""
         assert self.layout is not None
         if self.deterministic:

@@ -22,12 +22,12 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import MicroBatch, PlanError, StepPlan, Topology, Wave
-from dyncp.planner.bound import lower_bound, min_cp_sizes
-from dyncp.planner.greedy import GreedyConstructor
-from dyncp.planner.megatron import _form_wave
-from dyncp.planner.packing import lpt, pack_ffd, place_groups
+from dyncp.planner import lower_bound, min_cp_sizes
+from dyncp.planner.baselines.megatron import _form_wave
+from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.construction.packing import lpt, pack_ffd, place_groups
 from dyncp.planner.planner import POLICIES, Planner
-from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 from dyncp.sim.replay import admit, draw_batches
 
 REL = 1e-9
