@@ -3,6 +3,8 @@
 Modules and subpackages (the data flow of ``Planner.plan``):
 
 - ``planner``: the facade, ``Planner`` (one ``plan(lengths)`` call, any policy, stats attached);
+- ``config``: ``PlannerConfig``, a planner's options, frozen and validated;
+- ``stages``: the planner's construction and improvement stages;
 - ``batch``: the per-sequence facts of a batch (minimum CP sizes), derived once;
 - ``costs``: per-sequence cost tables, one row per CP size;
 - ``budget``: ``StepBudget``, planning time as a share of the predicted step;
@@ -16,6 +18,7 @@ Modules and subpackages (the data flow of ``Planner.plan``):
 from dyncp.planner.batch import min_cp_sizes
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.budget import StepBudget
+from dyncp.planner.config import PlannerConfig
 from dyncp.planner.planner import POLICIES, Improver, Planner
 from dyncp.planner.versioned import VersionedPlanner
 
@@ -23,6 +26,7 @@ __all__ = [
     "POLICIES",
     "Improver",
     "Planner",
+    "PlannerConfig",
     "StepBudget",
     "VersionedPlanner",
     "lower_bound",

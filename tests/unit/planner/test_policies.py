@@ -411,7 +411,7 @@ def test_improver_error_logged_and_plan_kept(caplog: pytest.LogCaptureFixture) -
     def broken(plan: StepPlan, model: CostModel) -> StepPlan:
         raise ValueError("solver exploded")
 
-    with caplog.at_level(logging.WARNING, logger="dyncp.planner.planner"):
+    with caplog.at_level(logging.WARNING, logger="dyncp.planner.stages"):
         plan = make_planner(TOPO, "dyncp", improver=broken).plan(BATCH)
     assert canonical(plan) == canonical(plain_dyncp())
     assert any("solver exploded" in r.getMessage() for r in caplog.records)
@@ -437,7 +437,7 @@ def test_improver_invalid_plan_ignored(caplog: pytest.LogCaptureFixture) -> None
     for improver in (invalid, empty):
         with pytest.raises(PlanError):
             improver(plain_dyncp(), model_for(4)).validate()
-        with caplog.at_level(logging.WARNING, logger="dyncp.planner.planner"):
+        with caplog.at_level(logging.WARNING, logger="dyncp.planner.stages"):
             plan = make_planner(TOPO, "dyncp", improver=improver).plan(BATCH)
         plan.validate()
         assert canonical(plan) == canonical(plain_dyncp())
