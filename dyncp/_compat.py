@@ -40,6 +40,27 @@ MOVED: dict[str, tuple[str, ...]] = {
     "dyncp.cost_model.level": ("dyncp.cost_model.calibration.level",),
     "dyncp.cost_model.measurements": ("dyncp.cost_model.calibration.measurements",),
     "dyncp.runtime.failures": ("dyncp.control.failures",),
+    # The planner's modules, in its subpackages since 0.2 (``dyncp.planner``'s docstring).
+    "dyncp.planner.assignment": ("dyncp.planner.construction.assignment",),
+    "dyncp.planner.bound": ("dyncp.planner.bounds.closed_form", "dyncp.planner.batch"),
+    "dyncp.planner.cpsat": ("dyncp.planner.improvement.cpsat",),
+    "dyncp.planner.dataflow": ("dyncp.planner.construction.dataflow",),
+    "dyncp.planner.deferred": ("dyncp.planner.bounds.deferred",),
+    "dyncp.planner.dp_balanced": ("dyncp.planner.baselines.dp_balanced",),
+    "dyncp.planner.greedy": ("dyncp.planner.construction.greedy",),
+    "dyncp.planner.head_split": ("dyncp.planner.improvement.head_split",),
+    "dyncp.planner.laminar": ("dyncp.planner.improvement.laminar",),
+    "dyncp.planner.local_search": ("dyncp.planner.construction.local_search",),
+    "dyncp.planner.lp_bound": ("dyncp.planner.bounds.lp_bound",),
+    "dyncp.planner.megatron": ("dyncp.planner.baselines.megatron",),
+    "dyncp.planner.megatron_min_cp": ("dyncp.planner.baselines.megatron_min_cp",),
+    "dyncp.planner.packing": ("dyncp.planner.construction.packing",),
+    "dyncp.planner.rounding": ("dyncp.planner.bounds.rounding",),
+    "dyncp.planner.static": ("dyncp.planner.baselines.static",),
+    "dyncp.planner.structure": (
+        "dyncp.planner.construction.structure",
+        "dyncp.planner.construction.fluid",
+    ),
 }
 
 __all__ = ["MOVED", "install"]
