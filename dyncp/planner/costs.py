@@ -1,7 +1,8 @@
 """Per-sequence cost tables shared by the greedy constructor, local search and CP-SAT.
 
 Computed once per batch (vectorised over sequences, one row per allowed CP size), so every later
-stage prices a move with a table lookup instead of a cost-model call.
+stage prices a move with a table lookup instead of a cost-model call. The batch's own facts
+(minimum CP sizes, padded tokens, seconds alone) come from its ``Batch``, which the bounds share.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.batch import Batch
 
 __all__ = ["SequenceCosts"]
 
@@ -25,26 +26,28 @@ class SequenceCosts:
             cost model's marginal seconds plus its token share of the per-micro-batch constant);
             inf where the size cannot hold it. Additive, so a group's load is a sum.
         alone: ``alone[k, i]``, exact seconds of sequence i as its own micro-batch (ring
-            constants included); the yardstick for "a larger group runs it faster".
+            constants included); the yardstick for "a larger group runs it faster". Read-only
+            (the batch's, ``Batch.alone``).
+        batch: the batch's facts on ``topology`` (``dyncp.planner.batch``).
     """
 
-    def __init__(self, lengths: np.ndarray, topology: Topology, model: CostModel) -> None:
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+    def __init__(self, lengths: Batch | np.ndarray, topology: Topology, model: CostModel) -> None:
+        self.batch = batch = Batch.of(lengths, topology)
+        self.lengths = batch.lengths
         self.topology = topology
         self.model = model
-        self.sizes = np.asarray(topology.group_sizes, dtype=np.int64)
+        self.sizes = batch.sizes
         n = len(self.lengths)
-        self.min_cp = min_cp_sizes(self.lengths, topology) if n else np.zeros(0, np.int64)
+        self.min_cp = batch.min_cp
         self.seconds = np.full((len(self.sizes), n), np.inf)
-        self.alone = np.full((len(self.sizes), n), np.inf)
         for k, cp in enumerate(self.sizes.tolist()):
             ok = self.min_cp <= cp
             if not ok.any():
                 continue
             s = self.lengths[ok]
-            share = CostModel.padded(cp, s) / (cp * topology.capacity)
+            share = batch.padded[k, ok] / (cp * topology.capacity)
             self.seconds[k, ok] = model.marginal_seconds(cp, s) + share * model.microbatch_overhead
-            self.alone[k, ok] = model.alone_seconds(cp, s)
+        self.alone = batch.alone(model)
         self._index = {c: k for k, c in enumerate(self.sizes.tolist())}
 
     def index(self, size: int) -> int:

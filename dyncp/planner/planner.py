@@ -27,6 +27,10 @@ whole pipeline above (the constructor first, then the improvement) runs within i
 policies' plans (``dyncp.planner.baselines``) are built first and kept as candidates, so the
 plan handed out is never slower than theirs under the planner's model and ``timing``.
 
+The batch's per-sequence facts (padded tokens, minimum CP sizes, seconds alone) are derived once
+per call, as a ``Batch`` (``dyncp.planner.batch``), and handed to the constructor, the baselines
+and the bounds.
+
 Deterministic mode (``deterministic=True``): the constructor tries every candidate, CP-SAT runs
 with one worker, a deterministic time limit and a fixed seed, and whether it runs depends on
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
@@ -64,6 +68,7 @@ from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.candidates import BaselineCandidates
 from dyncp.planner.baselines.static import static_cp_size
+from dyncp.planner.batch import Batch
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.deferred import DeferredBounds
 from dyncp.planner.bounds.report import (
@@ -237,14 +242,14 @@ class Planner(PlannerStages):
             return None
         return start + BASELINE_SHARE * max(deadline - start, 0.0)
 
-    def _build_baselines(self, lengths: np.ndarray, deadline: float | None) -> list[_Baseline]:
+    def _build_baselines(self, batch: Batch, deadline: float | None) -> list[_Baseline]:
         """The baseline plans built by ``deadline`` (all in deterministic mode): each as rings
         (what the search continues from) and as handed out (a hybrid policy's with its splits
         chosen), with its seconds under the model and the planner's timing."""
         if self.baselines is None:
             return []
         out = []
-        for name, rings in self.baselines.plans(lengths, self.model, deadline=deadline):
+        for name, rings in self.baselines.plans(batch, self.model, deadline=deadline):
             rings.policy = self.policy
             final = rings
             if self.policy == HYBRID_POLICY:
@@ -303,13 +308,15 @@ class Planner(PlannerStages):
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 1).any():
             raise ValueError("lengths must be a 1-D sequence of positive integers")
+        # The batch's per-sequence facts on this topology, derived once for every stage.
+        batch = Batch(lengths, self.topology)
         if budget is not None and not isinstance(budget, StepBudget):
             raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
         budget = budget if budget is not None else self.budget
         stats: dict = {"timings": {}}  # wall-clock values live under "timings", apart
         simple: float | None = None  # the closed-form bound, when the budget follows it
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
-            simple = lower_bound(lengths, self.topology, self.search_model)
+            simple = lower_bound(batch, self.topology, self.search_model)
         limit = self._budget_seconds(budget, simple, stats)
         defer = self._defers(len(lengths), limit)
         tail = self._tail_seconds
@@ -319,8 +326,8 @@ class Planner(PlannerStages):
                 tail += BOUND_SECONDS_PER_SEQUENCE * len(lengths)
         reserve = min(max(self.reserve_seconds, 1.1 * tail), 0.5 * limit)
         deadline = None if self.deterministic else start + limit - reserve
-        baselines = self._build_baselines(lengths, self._baseline_deadline(start, deadline))
-        plan, greedy = self._construct(lengths, deadline)
+        baselines = self._build_baselines(batch, self._baseline_deadline(start, deadline))
+        plan, greedy = self._construct(batch, deadline)
         t_construct = time.perf_counter()
         cost = self._price(plan, self._pricing)
         price_seconds = time.perf_counter() - t_construct
@@ -358,16 +365,14 @@ class Planner(PlannerStages):
             plan.stats["bound"] = {"kind": "tight"}
             self._deferred.submit(
                 plan,
-                lambda: self._bound_fields(
-                    lengths, seconds, search_model, tight=True, simple=simple
-                ),
+                lambda: self._bound_fields(batch, seconds, search_model, tight=True, simple=simple),
                 lambda exc: self._bound_fields(
-                    lengths, seconds, search_model, tight=False, failed=exc, simple=simple
+                    batch, seconds, search_model, tight=False, failed=exc, simple=simple
                 ),
             )
         else:
             fields = self._bound_fields(
-                lengths,
+                batch,
                 cost.step_seconds,
                 self.search_model,
                 tight=self.bound == "tight",
@@ -403,7 +408,7 @@ class Planner(PlannerStages):
 
     def _bound_fields(
         self,
-        lengths: np.ndarray,
+        batch: Batch,
         seconds: float,
         search_model: CostModel | SplitEnvelope,
         *,
@@ -414,7 +419,7 @@ class Planner(PlannerStages):
         """The bound fields of ``stats`` for a plan of ``seconds``
         (``dyncp.planner.bounds.report.bound_fields``)."""
         return bound_fields(
-            lengths,
+            batch,
             self.topology,
             seconds,
             search_model,

@@ -14,14 +14,13 @@ import logging
 import time
 from collections import Counter
 
-import numpy as np
-
 from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import PlanError, StepPlan, Topology
 from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan
+from dyncp.planner.batch import Batch
 from dyncp.planner.config import HYBRID_POLICY, Improver
 from dyncp.planner.construction.assignment import Assignment
 from dyncp.planner.construction.greedy import GreedyConstructor
@@ -78,29 +77,30 @@ class PlannerStages:
 
     # ------------------------------------------------------------------------------ stages
     def _construct(
-        self, lengths: np.ndarray, deadline: float | None = None
+        self, batch: Batch, deadline: float | None = None
     ) -> tuple[StepPlan, GreedyConstructor | None]:
+        """The policy's plan of ``batch`` (on ``self.topology``), and its constructor (dyncp)."""
         topo, model = self.topology, self.model
         if self.policy == "dp-balanced":
             assert self.static_cp is not None
-            return dp_balanced_plan(lengths, topo, self.static_cp), None
+            return dp_balanced_plan(batch, topo, self.static_cp), None
         if self.policy == "static":
             assert self.static_cp is not None
-            return fixed_cp_plan(lengths, topo, model, self.static_cp), None
+            return fixed_cp_plan(batch, topo, model, self.static_cp), None
         if self.policy == "batch-adaptive":
-            return batch_adaptive_plan(lengths, topo, model, timing=self.timing), None
+            return batch_adaptive_plan(batch, topo, model, timing=self.timing), None
         if self.policy == "megatron":
-            return megatron_plan(lengths, topo), None
+            return megatron_plan(batch, topo), None
         if self.policy == HYBRID_POLICY:
-            return self._construct_hybrid(lengths, deadline)
+            return self._construct_hybrid(batch, deadline)
         core = nested_core(topo)
         if core is not None:
-            return self._construct_menu(lengths, core, deadline)
-        greedy = GreedyConstructor(lengths, topo, model, timing=self.timing)
+            return self._construct_menu(batch, core, deadline)
+        greedy = GreedyConstructor(batch, topo, model, timing=self.timing)
         return greedy.best(deadline=deadline), greedy
 
     def _construct_menu(
-        self, lengths: np.ndarray, core: Topology, deadline: float | None
+        self, batch: Batch, core: Topology, deadline: float | None
     ) -> tuple[StepPlan, GreedyConstructor]:
         """A menu whose sizes do not nest (``dyncp.plan.menu``: 8 and 9 on an NVL72): two
         constructions, each with half of the time, one on the menu and one on its powers of two
@@ -113,11 +113,11 @@ class PlannerStages:
         the batch's longest sequence.
         """
         half = _halfway(deadline)
-        menu = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
+        menu = GreedyConstructor(batch, self.topology, self.model, timing=self.timing)
         plan = menu.best(deadline=half)
-        if len(lengths) and core.min_cp(int(lengths.max())) is None:
+        if len(batch) and core.min_cp(int(batch.lengths.max())) is None:
             return plan, menu
-        nested = GreedyConstructor(lengths, core, self.model, timing=self.timing)
+        nested = GreedyConstructor(batch.lengths, core, self.model, timing=self.timing)
         other = nested.best(deadline=deadline)
         menu.tried += nested.tried
         if self._seconds(other, self.model) < self._seconds(plan, self.model):
@@ -128,7 +128,7 @@ class PlannerStages:
         return plan, menu
 
     def _construct_hybrid(
-        self, lengths: np.ndarray, deadline: float | None
+        self, batch: Batch, deadline: float | None
     ) -> tuple[StepPlan, GreedyConstructor]:
         """Two constructions, each with half of the time: one priced as rings (what ``dyncp``
         builds), one priced at every CP size's cheapest split; the faster once every group has
@@ -140,8 +140,8 @@ class PlannerStages:
         ``dyncp``'s construction with half the time.
         """
         half = _halfway(deadline)
-        ring = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
-        split = GreedyConstructor(lengths, self.topology, self.search_model, timing=self.timing)
+        ring = GreedyConstructor(batch, self.topology, self.model, timing=self.timing)
+        split = GreedyConstructor(batch, self.topology, self.search_model, timing=self.timing)
         ring_plan = ring.best(deadline=half)
         split_plan = split.best(deadline=deadline)
         ring_seconds, split_seconds = (

@@ -32,6 +32,7 @@ from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.batch import Batch
 
 __all__ = ["BASELINES", "SECONDS_PER_SEQUENCE", "BaselineCandidates"]
 
@@ -59,26 +60,27 @@ class BaselineCandidates:
         #: may not hold a batch a menu of other sizes does), with the last reason.
         self.unfit: dict[str, str] = {}
 
-    def _builders(self, lengths: np.ndarray, model: CostModel) -> dict[str, Callable[[], StepPlan]]:
-        topo = self.topology
+    def _builders(self, batch: Batch, model: CostModel) -> dict[str, Callable[[], StepPlan]]:
+        topo, lengths = self.topology, batch.lengths
         longest = self.max_length if self.max_length is not None else int(lengths.max())
         cp = static_cp_size(max(longest, int(lengths.max())), topo)
         return {
             "dp-balanced": lambda: dp_balanced_plan(lengths, topo, cp),
             "static": lambda: fixed_cp_plan(lengths, topo, model, cp),
-            "batch-adaptive": lambda: batch_adaptive_plan(lengths, topo, model),
-            "megatron": lambda: megatron_plan(lengths, topo),
+            "batch-adaptive": lambda: batch_adaptive_plan(batch, topo, model),
+            "megatron": lambda: megatron_plan(batch, topo),
         }
 
     def plans(
-        self, lengths: np.ndarray, model: CostModel, *, deadline: float | None = None
+        self, lengths: Batch | np.ndarray, model: CostModel, *, deadline: float | None = None
     ) -> Iterator[tuple[str, StepPlan]]:
         """(name, plan) of each baseline built; with a ``deadline`` (``time.perf_counter()``
         seconds) only those expected to finish before it. A baseline that cannot plan the
-        batch is no candidate (``unfit`` says why)."""
+        batch is no candidate (``unfit`` says why). ``lengths``: or their ``Batch`` (its facts
+        are shared with the baselines)."""
         if len(lengths) == 0:
             return
-        builders = self._builders(lengths, model)
+        builders = self._builders(Batch.of(lengths, self.topology), model)
         n = len(lengths)
         for name in BASELINES:
             if deadline is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, padded_length
+from dyncp.planner.batch import Batch, lengths_of
 
 __all__ = ["dp_balanced_packs", "dp_balanced_plan"]
 
@@ -80,10 +81,15 @@ def dp_balanced_packs(
 
 
 def dp_balanced_plan(
-    lengths: np.ndarray, topology: Topology, cp: int, *, max_sequences: int | None = None
+    lengths: Batch | np.ndarray,
+    topology: Topology,
+    cp: int,
+    *,
+    max_sequences: int | None = None,
 ) -> StepPlan:
-    """One wave of world/cp groups of size ``cp``, each running its round-robin packs in order."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    """One wave of world/cp groups of size ``cp``, each running its round-robin packs in order.
+    ``lengths``: or their ``Batch``."""
+    lengths = lengths_of(lengths)
     if cp not in topology.group_sizes:
         raise ValueError(f"CP size {cp} is not allowed; allowed: {topology.group_sizes}")
     starts = topology.placements(cp)

@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, Wave, padded_length
-from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.batch import Batch
 from dyncp.planner.construction.packing import place_waves
 
 __all__ = [
@@ -202,14 +202,14 @@ FormWave = Callable[
 
 
 def plan_wave_by_wave(
-    lengths: np.ndarray, topology: Topology, form_wave: FormWave, policy: str
+    lengths: Batch | np.ndarray, topology: Topology, form_wave: FormWave, policy: str
 ) -> StepPlan:
     """The plan Megatron-style schedulers build: waves formed one after another from the
     sequences left, longest first, each group one packed micro-batch placed on aligned ranks.
     Shared by ``megatron``, ``megatron-min-cp`` and the tests' plain-loop reference; they differ
-    only in ``form_wave``."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    min_cp = min_cp_sizes(lengths, topology)
+    only in ``form_wave``. ``lengths``: or their ``Batch``, reused when on ``topology``."""
+    batch = Batch.of(lengths, topology)
+    lengths, min_cp = batch.lengths, batch.min_cp
     remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     waves = []
     while remaining:
@@ -237,8 +237,9 @@ def powers_of_two(topology: Topology) -> Topology:
     return replace(topology, group_sizes=sizes, head_sizes=(1,))
 
 
-def megatron_plan(lengths: np.ndarray, topology: Topology) -> StepPlan:
-    """Plan a step the way Megatron Core's dynamic-CP scheduler would (powers of two only)."""
+def megatron_plan(lengths: Batch | np.ndarray, topology: Topology) -> StepPlan:
+    """Plan a step the way Megatron Core's dynamic-CP scheduler would (powers of two only).
+    ``lengths``: or their ``Batch`` (reused when the menu holds only powers of two)."""
     plan = plan_wave_by_wave(lengths, powers_of_two(topology), _form_wave, "megatron")
     plan.topology = topology
     return plan

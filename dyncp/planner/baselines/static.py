@@ -16,7 +16,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
-from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.batch import Batch, lengths_of
 from dyncp.planner.construction.packing import lpt, pack_ffd, place_groups
 
 __all__ = ["fixed_cp_plan", "static_cp_size", "batch_adaptive_plan"]
@@ -34,11 +34,15 @@ def static_cp_size(max_length: int, topology: Topology) -> int:
 
 
 def fixed_cp_plan(
-    lengths: np.ndarray, topology: Topology, model: CostModel, cp: int, policy: str = "static"
+    lengths: Batch | np.ndarray,
+    topology: Topology,
+    model: CostModel,
+    cp: int,
+    policy: str = "static",
 ) -> StepPlan:
     """One wave of groups of size ``cp`` on every block the topology allows (W/cp when cp divides
-    the domain), FFD-packed micro-batches balanced by LPT."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    the domain), FFD-packed micro-batches balanced by LPT. ``lengths``: or their ``Batch``."""
+    lengths = lengths_of(lengths)
     batches = pack_ffd(range(len(lengths)), lengths, cp, topology)
     costs = [model.microbatch_seconds(cp, lengths[mb]) for mb in batches]
     n_groups = len(topology.placements(cp))
@@ -52,15 +56,21 @@ def fixed_cp_plan(
 
 
 def batch_adaptive_plan(
-    lengths: np.ndarray, topology: Topology, model: CostModel, *, timing: str = "dataflow"
+    lengths: Batch | np.ndarray,
+    topology: Topology,
+    model: CostModel,
+    *,
+    timing: str = "dataflow",
 ) -> StepPlan:
     """The fastest single-CP-size plan for this step, timed as ``timing``
-    (``dyncp.cost_model.evaluate.TIMINGS``; one wave, so both timings agree up to rounding)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    need = int(min_cp_sizes(lengths, topology).max()) if len(lengths) else 1
+    (``dyncp.cost_model.evaluate.TIMINGS``; one wave, so both timings agree up to rounding).
+    ``lengths``: or their ``Batch`` on ``topology``."""
+    batch = Batch.of(lengths, topology)
+    lengths = batch.lengths
+    need = int(batch.min_cp.max()) if len(lengths) else 1
     best: tuple[float, StepPlan] | None = None
-    for cp in topology.group_sizes:
-        if cp < need or (CostModel.padded(cp, lengths) > cp * topology.capacity).any():
+    for k, cp in enumerate(topology.group_sizes):
+        if cp < need or (batch.padded[k] > cp * topology.capacity).any():
             continue  # (with tiny capacities a larger group can hold less than a smaller one)
         plan = fixed_cp_plan(lengths, topology, model, cp, policy="batch-adaptive")
         seconds = evaluate_plan(plan, model, timing=timing).step_seconds

@@ -48,7 +48,7 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.batch import Batch
 
 __all__ = ["lower_bound"]
 
@@ -56,23 +56,24 @@ __all__ = ["lower_bound"]
 PAIR_CANDIDATES = 8
 
 
-def lower_bound(lengths: np.ndarray, topology: Topology, model: CostModel) -> float:
-    """Seconds no valid plan of ``lengths`` on ``topology`` can beat under ``model``."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+def lower_bound(lengths: Batch | np.ndarray, topology: Topology, model: CostModel) -> float:
+    """Seconds no valid plan of ``lengths`` (or their ``Batch``) on ``topology`` can beat under
+    ``model``."""
+    batch = Batch.of(lengths, topology)
+    lengths = batch.lengths
     if len(lengths) == 0:
         return 0.0
-    m = min_cp_sizes(lengths, topology)
+    m = batch.min_cp
     sizes = topology.group_sizes
     work = np.full((len(sizes), len(lengths)), np.inf)
-    alone = np.full((len(sizes), len(lengths)), np.inf)
+    alone = batch.alone(model)
     tokens = np.zeros(len(lengths))
     for k, cp in enumerate(sizes):
         ok = m <= cp
         if not ok.any():
             continue
         work[k, ok] = model.work_rank_seconds(cp, lengths[ok])
-        alone[k, ok] = model.alone_seconds(cp, lengths[ok])
-        tokens[m == cp] = CostModel.padded(cp, lengths[m == cp])
+        tokens[m == cp] = batch.padded[k, m == cp]
     w = topology.world
     cheapest = work.min(axis=0)
     constants = tokens.sum() / (w * topology.capacity) * model.microbatch_overhead

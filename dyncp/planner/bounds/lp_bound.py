@@ -31,7 +31,7 @@ from ortools.linear_solver.python import model_builder as mb
 from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.batch import Batch
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.holding import _held_value, _Riders
 from dyncp.planner.bounds.rounding import ROUNDINGS, rounding_bound
@@ -65,7 +65,7 @@ class LpBound:
 
 
 def lp_lower_bound(
-    lengths: np.ndarray,
+    lengths: Batch | np.ndarray,
     topology: Topology,
     model: CostModel,
     *,
@@ -73,28 +73,28 @@ def lp_lower_bound(
     max_solves: int = MAX_SOLVES,
     timing: str = "dataflow",
 ) -> LpBound:
-    """Seconds no valid plan of ``lengths`` on ``topology`` beats under ``model``, timed as
-    ``timing`` (``dyncp.cost_model.evaluate.TIMINGS``; docs/lp-bound.md)."""
+    """Seconds no valid plan of ``lengths`` (or their ``Batch``) on ``topology`` beats under
+    ``model``, timed as ``timing`` (``dyncp.cost_model.evaluate.TIMINGS``; docs/lp-bound.md)."""
     check_timing(timing)
     start = time.perf_counter()
-    lengths = np.asarray(lengths, dtype=np.int64)
-    lb0 = lower_bound(lengths, topology, model) if simple is None else float(simple)
+    batch = Batch.of(lengths, topology)
+    lengths = batch.lengths
+    lb0 = lower_bound(batch, topology, model) if simple is None else float(simple)
     if len(lengths) == 0:
         return LpBound(0.0, 0.0, "TRIVIAL", 0, time.perf_counter() - start)
     wo = model.wave_overhead
     w, cap = topology.world, topology.capacity
     sizes = list(topology.group_sizes)
-    m = min_cp_sizes(lengths, topology)
+    m = batch.min_cp
     n_all = len(lengths)
     r = np.full((len(sizes), n_all), np.inf)
-    alone = np.full((len(sizes), n_all), np.inf)
+    alone = batch.alone(model)
     pad = np.zeros((len(sizes), n_all))
     for k, c in enumerate(sizes):
         ok = m <= c
         if ok.any():
             r[k, ok] = model.bound_rank_seconds(c, lengths[ok])
-            alone[k, ok] = model.alone_seconds(c, lengths[ok])
-            pad[k, ok] = CostModel.padded(c, lengths[ok])
+            pad[k, ok] = batch.padded[k, ok]
     fixed = np.asarray([model.fixed_seconds(c) for c in sizes])
     one = sizes.index(1) if 1 in sizes else None
     simple0 = lb0

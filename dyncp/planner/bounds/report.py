@@ -14,6 +14,7 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
+from dyncp.planner.batch import Batch
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.lp_bound import lp_lower_bound
 from dyncp.planner.improvement.head_split import SplitEnvelope
@@ -52,7 +53,7 @@ def defers(
 
 
 def bound_fields(
-    lengths: np.ndarray,
+    lengths: Batch | np.ndarray,
     topology: Topology,
     seconds: float,
     search_model: CostModel | SplitEnvelope,
@@ -65,8 +66,10 @@ def bound_fields(
     """The bound fields of ``stats`` for a plan of ``seconds``: the closed-form bound, the
     tight one when ``tight``, the gaps, ``bound`` (what was computed) and ``bound_seconds``
     (wall clock). ``failed``: the tight bound's error, reported with the closed form.
-    ``simple``: the closed-form bound when ``plan()`` already computed it (for a budget)."""
+    ``simple``: the closed-form bound when ``plan()`` already computed it (for a budget).
+    ``lengths``: or their ``Batch``, whose facts both bounds share."""
     t0 = time.perf_counter()
+    lengths = Batch.of(lengths, topology)
     if simple is None:
         simple = lower_bound(lengths, topology, search_model)  # type: ignore[arg-type]
     bound, bound_info = simple, {"kind": "simple"}

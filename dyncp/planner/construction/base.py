@@ -13,6 +13,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
+from dyncp.planner.batch import Batch
 from dyncp.planner.construction.packing import pack_ffd, place_waves
 from dyncp.planner.costs import SequenceCosts
 
@@ -23,7 +24,8 @@ class ConstructorBase:
     """One batch's state, shared by the constructor's candidate families.
 
     Args:
-        lengths: sequence lengths of the step.
+        lengths: sequence lengths of the step, or their ``Batch`` (``dyncp.planner.batch``: the
+            facts the bounds and baselines share).
         topology: ranks and capacity.
         model: the cost model used both to choose and to price.
         timing: how candidates are timed and compared (``dyncp.cost_model.evaluate.TIMINGS``).
@@ -31,17 +33,17 @@ class ConstructorBase:
 
     def __init__(
         self,
-        lengths: np.ndarray,
+        lengths: Batch | np.ndarray,
         topology: Topology,
         model: CostModel,
         *,
         timing: str = "dataflow",
     ) -> None:
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.costs = SequenceCosts(Batch.of(lengths, topology), topology, model)
+        self.lengths = self.costs.lengths
         self.topology = topology
         self.model = model
         self.timing = check_timing(timing)
-        self.costs = SequenceCosts(self.lengths, topology, model)
         self.sizes = self.costs.sizes
         self.min_cp = self.costs.min_cp
         self.seconds = self.costs.seconds

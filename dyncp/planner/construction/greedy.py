@@ -37,6 +37,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import PlanCost, evaluate_plan, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology
+from dyncp.planner.batch import Batch
 from dyncp.planner.construction.assignment import Assignment
 from dyncp.planner.construction.dataflow import relayout
 from dyncp.planner.construction.level import LEVEL_FACTORS, LevelCandidates
@@ -56,7 +57,7 @@ class GreedyConstructor(StructuredCandidates, LevelCandidates):
     """Builds candidate plans for one batch; ``best()`` returns the fastest.
 
     Args:
-        lengths: sequence lengths of the step.
+        lengths: sequence lengths of the step, or their ``Batch`` (``dyncp.planner.batch``).
         topology: ranks and capacity.
         model: the cost model used both to choose and to price.
         structures: (stretch, boost) pairs tried, see ``choose_sizes``.
@@ -65,7 +66,7 @@ class GreedyConstructor(StructuredCandidates, LevelCandidates):
 
     def __init__(
         self,
-        lengths: np.ndarray,
+        lengths: Batch | np.ndarray,
         topology: Topology,
         model: CostModel,
         structures: tuple[tuple[float, int], ...] = STRUCTURES,
