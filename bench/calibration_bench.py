@@ -42,7 +42,7 @@ from dyncp.cost_model import CostModel, Profile, load_profile
 from dyncp.cost_model.calibration.fit import Measurement, _apply, _coefficients
 from dyncp.cost_model.calibration.mix import mix_coefficients, mix_profile
 from dyncp.cost_model.calibration.online import OnlineCalibrator
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 
 
 @dataclass(frozen=True)
