@@ -8,6 +8,8 @@ Modules, one line each:
 - ``fit``: the robust refit of a profile (fit_profile), and judging it on held-out measurements;
 - ``mix``: the same for layer-mix profiles, priced by the exact model;
 - ``level``: the robust level of a regime (a uniform rescale);
+- ``change``: change detection (did the machine change, and at which step);
+- ``records``: what travels through the Store (measurement records, model versions);
 - ``online``: OnlineCalibrator, refits while training runs.
 """
 
@@ -19,10 +21,10 @@ from dyncp.cost_model.calibration.measurements import (
     MeasurementBuffer,
     WaveMeasurement,
 )
-from dyncp.cost_model.calibration.online import (
+from dyncp.cost_model.calibration.online import OnlineCalibrator
+from dyncp.cost_model.calibration.records import (
     MeasurementRecord,
     ModelVersion,
-    OnlineCalibrator,
     decode_measurements,
     encode_measurements,
 )
