@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import Topology
 from dyncp.planner.baselines.megatron import megatron_plan
 
