@@ -1,8 +1,9 @@
 """The plan contract and what travels with it; torch-free.
 
 Modules: ``contract`` (StepPlan, Wave, Group, MicroBatch, Topology, validate(), the plan digest),
-``slice`` (per-rank slices under a Merkle root: what a rank reads at scale), ``menu`` (group-size
-menus shaped by the machine, and where each size may be placed).
+``stats`` (PlanStats: what produced a plan, typed), ``slice`` (per-rank slices under a Merkle
+root: what a rank reads at scale), ``menu`` (group-size menus shaped by the machine, and where
+each size may be placed).
 """
 
 from dyncp.plan.contract import (
@@ -16,12 +17,14 @@ from dyncp.plan.contract import (
     padded_length,
     plan_digest,
 )
+from dyncp.plan.stats import PlanStats
 
 __all__ = [
     "SCHEMA_VERSION",
     "Group",
     "MicroBatch",
     "PlanError",
+    "PlanStats",
     "StepPlan",
     "Topology",
     "Wave",

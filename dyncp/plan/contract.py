@@ -52,6 +52,7 @@ from dyncp.plan.menu import (
     placements,
     split_allowed,
 )
+from dyncp.plan.stats import PlanStats
 
 __all__ = [
     "Topology",
@@ -345,7 +346,8 @@ class StepPlan:
     """One global batch: its sequence lengths, the topology and the waves that cover it.
 
     ``stats`` carries what produced the plan (policy, solver status, timings, predicted seconds,
-    lower bound); it is informational and not part of the rules.
+    lower bound), a ``PlanStats`` (``dyncp.plan.stats``; a dict given is taken as one); it is
+    informational and not part of the rules.
     ``sample_ids`` optionally maps each sequence id to the caller's sample index (dataset row).
     """
 
@@ -354,7 +356,12 @@ class StepPlan:
     waves: tuple[Wave, ...]
     policy: str = ""
     sample_ids: tuple[int, ...] | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "stats" and type(value) is not PlanStats:
+            value = PlanStats(value)
+        object.__setattr__(self, name, value)
 
     # ----------------------------------------------------------------------------- traversal
     def microbatches(self) -> Iterator[tuple[int, Group, MicroBatch]]:
@@ -576,7 +583,7 @@ class StepPlan:
             sample_ids=None
             if sample_ids is None
             else tuple(_int(i, "sample_ids[]") for i in _list(sample_ids, "sample_ids")),
-            stats=dict(stats),
+            stats=PlanStats(stats),
         )
 
     @classmethod

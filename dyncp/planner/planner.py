@@ -352,17 +352,14 @@ class Planner(PlannerStages):
         plan.validate()
         t1 = time.perf_counter()
         plan.stats.update(stats)
-        plan.stats.update(
-            policy=self.policy,
-            timing=self.timing,
-            predicted_step_seconds=cost.step_seconds,
-            imbalance=cost.imbalance,
-            efficiency=cost.efficiency,
-            waves=len(plan.waves),
-        )
+        st = plan.stats  # a PlanStats (dyncp.plan.stats): typed fields
+        st.policy, st.timing = self.policy, self.timing
+        st.predicted_step_seconds = cost.step_seconds
+        st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
+        st.waves = len(plan.waves)
         if defer:
             seconds, search_model = cost.step_seconds, self.search_model
-            plan.stats["bound"] = {"kind": "tight"}
+            st.bound = {"kind": "tight"}
             self._deferred.submit(
                 plan,
                 lambda: self._bound_fields(batch, seconds, search_model, tight=True, simple=simple),

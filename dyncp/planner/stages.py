@@ -122,9 +122,9 @@ class PlannerStages:
         menu.tried += nested.tried
         if self._seconds(other, self.model) < self._seconds(plan, self.model):
             other.topology = self.topology
-            other.stats["construction"] = "powers-of-two"
+            other.stats.construction = "powers-of-two"
             return other, menu
-        plan.stats["construction"] = "menu"
+        plan.stats.construction = "menu"
         return plan, menu
 
     def _construct_hybrid(
@@ -148,10 +148,10 @@ class PlannerStages:
             self._seconds(choose_splits(p, self.model), self.model) for p in (ring_plan, split_plan)
         )
         if ring_seconds < split_seconds:
-            ring_plan.stats["construction"] = "ring-priced"
+            ring_plan.stats.construction = "ring-priced"
             ring.tried += split.tried
             return ring_plan, ring
-        split_plan.stats["construction"] = "split-priced"
+        split_plan.stats.construction = "split-priced"
         split.tried += ring.tried
         return split_plan, split
 

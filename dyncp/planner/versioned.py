@@ -42,7 +42,7 @@ class VersionedPlanner:
         """The inner planner's plan (``options``: its ``plan()`` keywords, e.g. ``budget``),
         tagged with the model version."""
         plan = self.inner.plan(lengths, **options)
-        plan.stats["model_version"] = self.version.version
+        plan.stats.model_version = self.version.version
         return plan
 
     def __getattr__(self, name: str) -> Any:
