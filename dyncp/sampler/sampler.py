@@ -21,8 +21,7 @@ from dyncp.control.agreement import AgreementGroup, PendingAgreement
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
 from dyncp.control.signing import RUN_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
-from dyncp.plan import StepPlan
-from dyncp.plan.slice import PlanSlice, SliceUnavailable, check_slice_header
+from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.config import SamplerConfig

@@ -9,8 +9,7 @@ Modules: ``protocol`` (the Store keys, what each holds, the cursor; the batches 
 
 from dyncp.control.agreement import PlanMismatchError
 from dyncp.control.signing import FALLBACK
-from dyncp.plan import plan_digest
-from dyncp.plan.slice import SliceUnavailable, check_slice_header
+from dyncp.plan import SliceUnavailable, check_slice_header, plan_digest
 from dyncp.service.client import Fetched, PlanClient
 from dyncp.service.fallback import check_plan, fallback_planner, plan_batch
 from dyncp.service.protocol import BatchSource, slice_key, step_key

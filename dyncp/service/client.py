@@ -22,11 +22,12 @@ import numpy as np
 from dyncp.control.namespace import check_prefix
 from dyncp.control.signing import FALLBACK, PlanSigner, is_fallback
 from dyncp.cost_model.calibration.online import ModelVersion
-from dyncp.plan import PlanError, StepPlan
-from dyncp.plan.slice import (
+from dyncp.plan import (
+    PlanError,
     PlanSlice,
     SliceHeader,
     SliceUnavailable,
+    StepPlan,
     check_slice_header,
     open_slice,
     own_slice,

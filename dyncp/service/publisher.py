@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 from dyncp.control.namespace import check_prefix
 from dyncp.control.signing import FALLBACK, PlanSigner
-from dyncp.plan import PlanError
-from dyncp.plan.slice import slice_plan
+from dyncp.plan import PlanError, slice_plan
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.service.fallback import plan_batch
