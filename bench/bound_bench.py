@@ -37,8 +37,8 @@ from planner_bench import scenarios as bench_scenarios  # noqa: E402
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.cost_model.evaluate import evaluate_plan  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
-from dyncp.planner.bound import lower_bound  # noqa: E402
-from dyncp.planner.lp_bound import lp_lower_bound  # noqa: E402
+from dyncp.planner.bounds.closed_form import lower_bound  # noqa: E402
+from dyncp.planner.bounds.lp_bound import lp_lower_bound  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 64, 8
 FLEXSP_CAPACITY = 5992

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dyncp.cost_model import CostModel, Profile, load_profile
-from dyncp.cost_model.calibration.fit import Measurement, _apply, _coefficients
+from dyncp.cost_model.calibration.coefficients import apply_coefficients, profile_coefficients
+from dyncp.cost_model.calibration.fit import Measurement
 from dyncp.cost_model.calibration.mix import mix_coefficients, mix_profile
 from dyncp.cost_model.calibration.online import OnlineCalibrator
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,12 @@ def perturbed_truth(
     model = CostModel(base, s.ranks_per_node)
     rings = [c for c in s.sizes if c > 1]
     mix = base.layer_mix is not None
-    theta = mix_coefficients(model, rings) if mix else _coefficients(model, rings)
+    theta = mix_coefficients(model, rings) if mix else profile_coefficients(model, rings)
     theta = theta * np.exp(rng.uniform(math.log(low), math.log(high), len(theta)))
     wave = base.overheads.wave_seconds * math.exp(rng.uniform(math.log(low), math.log(high)))
     if mix:  # and ssm_seconds_per_token
         return mix_profile(base, theta, rings, model, wave=wave)
-    return _apply(base, theta, wave, rings, model)
+    return apply_coefficients(base, theta, wave, rings, model)
 
 
 def measure_step(

@@ -48,10 +48,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dyncp.control.agreement import PendingAgreement
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
 from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
-from dyncp.planner.megatron import megatron_plan
+from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.executor import _check
 from dyncp.testing.distributed import CountingStore

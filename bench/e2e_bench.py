@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel, load_profile
 from dyncp.cost_model.calibration import ModelVersion, OnlineCalibrator
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.planner import Planner, VersionedPlanner
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.measure import CollectiveCalibration

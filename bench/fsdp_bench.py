@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dyncp.integrations.fsdp as fsdp_module
 from dyncp.cost_model import CostModel
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.integrations.ddp import DDPRunner
 from dyncp.integrations.fsdp import FSDPRunner
 from dyncp.planner import Planner

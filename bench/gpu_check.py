@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dyncp.cost_model.fitting import fit_quadratic
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.cost_model.shapes import DecoderShape, load_shape
-from dyncp.profiling.profile import fit_attention
 from dyncp.ring_attention import make_kernel, make_ring_layout, merge_block, zigzag_shard
 from dyncp.ring_attention.block import BlockKernel, BlockSpec, acc_dtype
 from dyncp.ring_attention.sharding import zigzag_unshard
@@ -438,7 +438,7 @@ def measured_profile(
         fwd.append(f)
         both.append(max(b, f * 1.0001))
     lengths = np.array(sizes.table_lengths)
-    a, b_, k, err = fit_attention(lengths, np.array(both))
+    a, b_, k, err = fit_quadratic(lengths, np.array(both))
     ratio = statistics.median((b - f) / f for f, b in zip(fwd, both))
     k = min(k, 0.9 * min(both))
     per_token, achieved = linear_seconds_per_token(shape, sizes, device)

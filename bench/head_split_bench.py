@@ -23,9 +23,9 @@ from collections import Counter
 import numpy as np
 
 from dyncp.cost_model import CostModel
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.planner import Planner
-from dyncp.planner.head_split import layout_histogram
+from dyncp.planner.improvement.head_split import layout_histogram
 from dyncp.sim.replay import admit, draw_batches
 
 MAX_LENGTH = 131072

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel, Profile, load_profile
 from dyncp.cost_model.calibration.fit import Measurement, fit_profile
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.runtime import GroupPool, execute
 from dyncp.testing import TinyConfig, TinyDecoder, microbatch_loss

@@ -8,7 +8,7 @@ Sparse (default): ``bench/planner_bench.py``'s sparse set-up (Megatron's mock le
 documents each. ``--long``: the long-document batches (16 documents, 64 ranks, capacity 8,192,
 ``--profile``). Per batch it prints the planner's plan (``time_limit`` 1 s, layout search off:
 the constructor, the baselines and CP-SAT on the slots), the tight bound, and the best plan the
-layout search (``dyncp.planner.laminar``: CP-SAT over every nested layout) finds in
+layout search (``dyncp.planner.improvement.laminar``: CP-SAT over every nested layout) finds in
 ``--seconds`` (two workers), once started from the planner's plan and once from nothing (the
 faster of the two and the planner's), each as step ms and gap to the bound. Where the layout
 search finds a faster plan, at least that much of the gap is the plan's; what is left is the
@@ -27,7 +27,7 @@ import planner_bench as pb  # noqa: E402
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.cost_model.evaluate import evaluate_plan  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
-from dyncp.planner.laminar import LaminarImprover  # noqa: E402
+from dyncp.planner.improvement.laminar import LaminarImprover  # noqa: E402
 
 
 def main() -> None:

@@ -4,10 +4,10 @@
 
 For each ``world:sequences`` pair, that many sequence lengths are drawn (seed 0) from the bundled
 Wikipedia sample, capped at 131,072 tokens, and planned on ``world`` ranks of 8 per node at 8,192
-tokens per rank, once by ``dyncp.planner.megatron.megatron_plan`` (a vectorised pass per CP size
-to choose each sequence's group) and, up to ``--reference-max`` ranks, once by the plain loop it
-replaced (``tests/megatron_reference.py``: every document tries every group). Printed: seconds of
-each, their ratio, whether the plans are identical, and the waves of the plan.
+tokens per rank, once by ``dyncp.planner.baselines.megatron.megatron_plan`` (a vectorised pass per
+CP size to choose each sequence's group) and, up to ``--reference-max`` ranks, once by the plain
+loop it replaced (``tests/megatron_reference.py``: every document tries every group). Printed:
+seconds of each, their ratio, whether the plans are identical, and the waves of the plan.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import Topology
-from dyncp.planner.megatron import megatron_plan
+from dyncp.planner.baselines.megatron import megatron_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from megatron_reference import reference_megatron_plan  # noqa: E402

@@ -21,8 +21,8 @@ length.
 
 The same lengths are planned by
 
-- ``min-cp`` (**the headline**): ``dyncp.planner.megatron_min_cp``, the scheduler the published
-  run used (June 8, 2026: every sequence at its minimum CP size);
+- ``min-cp`` (**the headline**): ``dyncp.planner.baselines.megatron_min_cp``, the scheduler the
+  published run used (June 8, 2026: every sequence at its minimum CP size);
 - ``dp-balanced``: Megatron's dp_balanced packing (the baseline);
 - ``megatron``: dyncp's model of the later, packing-aware scheduler (June 27, 2026);
 - ``dyncp``: dyncp's own planner (greedy constructor, deterministic),
@@ -57,9 +57,9 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.plan import StepPlan, Topology
-from dyncp.planner.dp_balanced import dp_balanced_plan
-from dyncp.planner.megatron import megatron_plan
-from dyncp.planner.megatron_min_cp import megatron_min_cp_plan
+from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
+from dyncp.planner.baselines.megatron import megatron_plan
+from dyncp.planner.baselines.megatron_min_cp import megatron_min_cp_plan
 from dyncp.planner.planner import Planner
 
 # Megatron-LM dev, examples/dynamic_context_parallel/README.md, "Slurm Benchmark Results":

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dyncp.cost_model.model import CostModel
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan.menu import menu_sizes, pool_count
 from dyncp.planner.planner import Planner
 from dyncp.sim.replay import admit, draw_batches

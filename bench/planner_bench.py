@@ -83,7 +83,7 @@ import numpy as np
 
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import StepPlan, plan_digest
 from dyncp.planner import Planner
 from dyncp.planner.budget import StepBudget

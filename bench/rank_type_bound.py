@@ -4,8 +4,8 @@
 
 On ``bench/planner_bench.py``'s sparse batches (64 ranks, 4 per node, capacity 2,048,
 ``--sparse-profile``) it prints the planner's plan (``time_limit`` 1 s), the tight bound
-(``dyncp.planner.lp_bound``) and this relaxation's value over plans whose groups have at most 8
-ranks (the planner's plans here use at most 4), found by bisection on T (each T an LP
+(``dyncp.planner.bounds.lp_bound``) and this relaxation's value over plans whose groups have at most
+8 ranks (the planner's plans here use at most 4), found by bisection on T (each T an LP
 feasibility problem solved with HiGHS; seconds per batch: an analysis, not a per-step bound).
 
 The relaxation. T = step - one wave overhead. A rank's *type* is how many micro-batches it runs
@@ -17,8 +17,8 @@ N_k k_c C for every c. What it adds to the LP: each rank runs a whole number of 
 at each size and fits in T by itself (the LP counts micro-batches fractionally over all ranks).
 
 Why every plan of step S gives a feasible point at T = S - o (under both timings; the facts F1,
-F2 of ``dyncp.planner.lp_bound``): each rank runs whole micro-batches, k_c of them at size c, and
-is busy at most T (F2); a micro-batch at c lasts at least F[c] + the sum of its sequences' r / c
+F2 of ``dyncp.planner.bounds.lp_bound``): each rank runs whole micro-batches, k_c of them at size c,
+and is busy at most T (F2); a micro-batch at c lasts at least F[c] + the sum of its sequences' r / c
 (protocol contract 2) and holds on each of its c ranks at most C of their padded tokens / c. Give
 each rank its type, N_k the count of ranks of type k, q the sequences' rank-shares where they
 run: the time and memory rows hold rank by rank, so summed over a type's ranks. The types

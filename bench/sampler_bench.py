@@ -30,7 +30,7 @@ import numpy as np
 import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import Topology
 from dyncp.planner import Planner
 from dyncp.sampler import DynamicCPSampler, StepInfo

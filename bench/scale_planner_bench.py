@@ -33,7 +33,7 @@ import numpy as np
 
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.plan import plan_digest
 from dyncp.planner import Planner
 from dyncp.sim.replay import admit, draw_batches

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from dyncp.cost_model import CostModel
 from dyncp.integrations.fsdp import FSDPRunner
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
-from dyncp.observability.metrics import Metrics
+from dyncp.observability import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, reduce_loss
 from dyncp.sampler import DynamicCPSampler

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import transformers
 
 from dyncp.cost_model import CostModel
-from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.data import load_lengths, resolve_dataset
 from dyncp.integrations.hf import causal_lm_loss, plan_check, register_ring_attention
-from dyncp.observability.metrics import Metrics
+from dyncp.observability import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.sampler import DynamicCPSampler

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration import ModelVersion, OnlineCalibrator
-from dyncp.data.readers import load_lengths, resolve_dataset
-from dyncp.observability.metrics import Metrics
+from dyncp.data import load_lengths, resolve_dataset
+from dyncp.observability import Metrics
 from dyncp.planner import Planner, VersionedPlanner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
 from dyncp.runtime.measure import CollectiveCalibration

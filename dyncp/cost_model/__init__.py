@@ -1,12 +1,30 @@
-"""Cost model: profiles (pydantic schema), micro-batch time prediction, plan evaluation."""
+"""Cost model: profiles (pydantic schema), micro-batch time prediction, plan evaluation; torch-free.
+
+Modules, one line each:
+
+- ``schema``: the profile (pydantic), loading bundled and user profiles;
+- ``model``: CostModel, the entry point (picks the pricing of a profile);
+- ``full_attention``: the pricing of full-attention layers, ring and all-to-all groups;
+- ``head_split``: the pricing of hybrid groups (heads by all-to-all, rings over the rest);
+- ``layer_mix``: LayerMixCostModel, window and SSM layers on top of full attention;
+- ``kernels``: attention kernels' tile sizes, read from their source;
+- ``protocol``: what planners, the bound and the simulator need of a cost model;
+- ``evaluate``: a plan's predicted time (PlanCost, evaluate_plan);
+- ``fitting``: the non-negative least-squares fit on relative error every builder uses;
+- ``shapes``, ``mix_shapes``: decoder shapes and layer mixes of named models;
+- ``reference``, ``mix_reference``, ``published``: the builders of the bundled H100 profiles;
+- ``calibration``: refitting a profile to measurements, offline and online (subpackage).
+"""
 
 from dyncp.cost_model.evaluate import TIMINGS, PlanCost, evaluate_plan
+from dyncp.cost_model.layer_mix import LayerMixCostModel
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
 
 __all__ = [
     "TIMINGS",
     "CostModel",
+    "LayerMixCostModel",
     "PlanCost",
     "Profile",
     "ProfileError",

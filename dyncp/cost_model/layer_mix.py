@@ -5,7 +5,7 @@ A profile with ``layer_mix`` (``schema.LayerMix``) is priced by :class:`LayerMix
 size ``c`` with ``T = sum p_i``::
 
     CostModel terms      linear (all GEMMs, MoE and FP8 included) + overhead
-                         + full_attention_layers x (the ring layer of model.py)
+                         + full_attention_layers x (the ring layer of full_attention.py)
     window group (w, n)  n x ring layer with  W = sum_i Aw(p_i, c)  and  1 + h  steps
     SSM layers (n)       n x (ssm_seconds_per_token x T / c + min(state passing, all-to-all))
 
@@ -34,14 +34,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.full_attention import FullAttentionModel
 from dyncp.cost_model.schema import Profile
 
 __all__ = ["LayerMixCostModel"]
 
 
-class LayerMixCostModel(CostModel):
-    """A CostModel for profiles with ``layer_mix`` (see the module docstring for the formula)."""
+class LayerMixCostModel(FullAttentionModel):
+    """A CostModel for profiles with ``layer_mix`` (see the module docstring for the formula).
+
+    Derived from ``FullAttentionModel`` (``super()`` prices the full-attention layers) and
+    registered as a virtual subclass of ``CostModel`` (``dyncp.cost_model.model``), which
+    returns it for such a profile.
+    """
 
     def __init__(self, profile: Profile, ranks_per_node: int) -> None:
         if profile.layer_mix is None:
@@ -217,8 +222,8 @@ class LayerMixCostModel(CostModel):
         """Window layers cost at least their work and one step; SSM exchanges at least the
         per-sequence minimum of the two ways (exact when only state passing is offered).
 
-        ``CostModel.bound_rank_seconds`` starts from ``self.work_rank_seconds``, which already
-        holds the window and scan work; only the SSM all-gather bytes are added here.
+        ``FullAttentionModel.bound_rank_seconds`` starts from ``self.work_rank_seconds``, which
+        already holds the window and scan work; only the SSM all-gather bytes are added here.
         """
         self._ring_only(cp, heads)
         p = self.priced(cp, lengths).astype(np.float64)

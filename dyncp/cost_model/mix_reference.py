@@ -25,13 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dyncp.cost_model.distca import REFERENCE_SOURCE, fit_nvlink
 from dyncp.cost_model.mix_shapes import MIX_SHAPES, LayerMixShape
-from dyncp.cost_model.reference import (
-    GEMM_FLOPS,
-    REFERENCE_SOURCE,
-    build_reference_profile,
-    fit_nvlink,
-)
+from dyncp.cost_model.reference import GEMM_FLOPS, build_reference_profile
 from dyncp.cost_model.schema import PROFILES_DIR, Profile
 
 __all__ = ["build_mix_profile", "fit_moe_throughput", "MOE_REFERENCE"]

@@ -10,9 +10,9 @@ Who calls what:
   ``wave_overhead``, ``name``;
 - planners: ``microbatch_seconds``, ``alone_seconds``, ``marginal_seconds``,
   ``microbatch_overhead``, ``ranks_per_node``;
-- lower bounds (``dyncp.planner.bound``, ``dyncp.planner.lp_bound``): ``alone_seconds``,
-  ``work_rank_seconds``, ``fixed_seconds``, ``bound_rank_seconds``, ``microbatch_seconds``,
-  ``microbatch_overhead``, ``wave_overhead``.
+- lower bounds (``dyncp.planner.bounds.closed_form``, ``dyncp.planner.bounds.lp_bound``):
+  ``alone_seconds``, ``work_rank_seconds``, ``fixed_seconds``, ``bound_rank_seconds``,
+  ``microbatch_seconds``, ``microbatch_overhead``, ``wave_overhead``.
 
 Contract (the bounds are proven from it, so an implementation must keep it):
 

@@ -7,18 +7,8 @@
     python -m dyncp.cost_model.reference --model megatron-dcp-gpt --kernel fa3-sm90  # tile-aware
     python -m dyncp.cost_model.reference --heads 32 --kv-heads 8 --head-dim 128 --kernel fa2-sm80
 
-Measured inputs (DistCA, Apache-2.0, measured on H100 by its authors):
-
-- ``compute-attn-H100.csv``, rows cp=1: causal flash-attention varlen *forward* of one document,
-  head dim 128, with 64/tp query heads for tp = 1, 2, 4, 8 (64, 32, 16, 8 heads). The builder
-  takes the head count closest to the model's and scales the length-dependent part of the time by
-  ``(heads x head_dim) / (measured heads x 128)`` (attention FLOPs are proportional to it); the
-  fitted fixed cost per call is not scaled;
-- ``nccl_perf.csv``, all_gather on 2/4/8 GPUs in one node: fitted to ``(n-1) * (latency +
-  chunk / bandwidth)``, the cost of n-1 ring steps, to get one NVLink ring step's latency and
-  bandwidth; and, per GPU count n, to ``latency + size / bandwidth`` for the all-to-all of the
-  head exchange (``communication.all_to_all_links``, see ``fit_all_to_all``: no all-to-all was
-  measured, the all-gather moving the same bytes per GPU stands in for it).
+Measured inputs: DistCA's attention forward table and NCCL all-gathers on H100, read and fitted
+by ``dyncp.cost_model.distca`` (what they are, and how each fit is made).
 
 Kernel-aware form (``--kernel``, see ``dyncp.cost_model.kernels``): every attention call is
 quantised to the named kernel's tiles (block sizes read from its source, not fitted), and the
@@ -40,31 +30,29 @@ source; a shape outside what the data covers is named in the profile's notes and
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from scipy.optimize import nnls
-
+from dyncp.cost_model.distca import (
+    MEASURED_DTYPE_BYTES,
+    MEASURED_HEAD_DIM,
+    MEASURED_HEADS,
+    REFERENCE_SOURCE,
+    AttentionFit,
+    fit_all_to_all,
+    fit_attention,
+    fit_nvlink,
+    measured_heads,
+)
 from dyncp.cost_model.kernels import KERNELS, kernel_tiles
 from dyncp.cost_model.schema import PROFILES_DIR, Profile
 from dyncp.cost_model.shapes import SHAPES, DecoderShape, ShapeError, load_shape
 
-__all__ = [
-    "build_reference_profile",
-    "coverage_warnings",
-    "AttentionFit",
-    "fit_attention",
-    "fit_nvlink",
-    "fit_all_to_all",
-    "all_to_all_links",
-    "REFERENCE_SOURCE",
-]
+# The DistCA fits (AttentionFit, fit_attention, fit_nvlink, fit_all_to_all, REFERENCE_SOURCE)
+# moved to dyncp.cost_model.distca; imported here, they keep their 0.1 path for one release.
+__all__ = ["all_to_all_links", "build_reference_profile", "coverage_warnings", "main"]
 
-REFERENCE_SOURCE = "hao-ai-lab/DistCA distca/profiling/data (commit 2afd2192), Apache-2.0"
 DEFAULT_MODEL = "llama3-8b"
 
 BWD_FWD_RATIO = 2.5
@@ -74,97 +62,9 @@ INTER_NODE_LATENCY = 20e-6
 MICROBATCH_SECONDS_PER_LAYER = 5e-3 / 32
 WAVE_SECONDS = 1e-3
 
-# What the attention table covers: 64/tp query heads at tp = 1, 2, 4, 8, head dim 128, bf16.
-MEASURED_HEADS = {64: "1", 32: "2", 16: "4", 8: "8"}
-MEASURED_HEAD_DIM = 128
-MEASURED_DTYPE_BYTES = 2
 # KV heads up to this multiple of the measured ones are taken as not changing kernel time (the
 # attention FLOPs are set by query heads); beyond it the profile says the data do not cover it.
 KV_HEADS_NO_CORRECTION = 4
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionFit:
-    """The measured forward table of one head count and its fit ``a s^2 + b s + k0``."""
-
-    heads: int
-    kv_heads: int
-    lengths: list[int]
-    forward_seconds: list[float]
-    coef: np.ndarray
-    max_relative_error: float
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
-def _measured_heads(num_heads: int) -> int:
-    """The measured head count closest to ``num_heads`` (in ratio; ties go to the larger)."""
-    return min(MEASURED_HEADS, key=lambda h: (abs(np.log(h / num_heads)), -h))
-
-
-def fit_attention(src: Path, heads: int) -> AttentionFit:
-    """Forward table of a measured head count and its fit (a, b, k0): fwd = a s^2 + b s + k0."""
-    if heads not in MEASURED_HEADS:
-        raise ValueError(f"heads {heads} not measured; measured: {sorted(MEASURED_HEADS)}")
-    tp = MEASURED_HEADS[heads]
-    rows = [r for r in _rows(src / "compute-attn-H100.csv") if r["cp"] == "1" and r["tp"] == tp]
-    lengths = np.array([int(r["L"]) for r in rows])
-    fwd = np.array([float(r["duration_per_doc"]) for r in rows]) * 1e-3
-    order = np.argsort(lengths)
-    lengths, fwd = lengths[order], fwd[order]
-    # fwd(s) = a s^2 + b s + k0, non-negative, least squares on relative error.
-    basis = np.stack([lengths.astype(float) ** 2, lengths.astype(float), np.ones(len(lengths))], 1)
-    coef, _ = nnls(basis / fwd[:, None], np.ones(len(fwd)))
-    coef[2] = min(coef[2], 0.9 * fwd.min())
-    rel = np.abs(basis @ coef - fwd) / fwd
-    return AttentionFit(
-        heads=heads,
-        kv_heads=max(4 // int(tp), 1),
-        lengths=lengths.tolist(),
-        forward_seconds=fwd.tolist(),
-        coef=coef,
-        max_relative_error=float(rel.max()),
-    )
-
-
-def fit_nvlink(src: Path) -> tuple[float, float, float]:
-    """(latency s, bandwidth B/s, max relative error) of one ring step inside a node."""
-    rows = [r for r in _rows(src / "nccl_perf.csv") if r["op"] == "all_gather"]
-    n = np.array([int(r["ngpu"]) for r in rows], dtype=float)
-    size = np.array([float(r["size_bytes"]) for r in rows])
-    t = np.array([float(r["t_us_out"]) for r in rows]) * 1e-6
-    basis = np.stack([n - 1, (n - 1) * size / n], 1)
-    coef, _ = nnls(basis / t[:, None], np.ones(len(t)))
-    rel = np.abs(basis @ coef - t) / t
-    return float(coef[0]), float(1.0 / coef[1]), float(rel.max())
-
-
-def fit_all_to_all(src: Path) -> dict[int, tuple[float, float, float]]:
-    """Per GPU count n in ``nccl_perf.csv``: (latency s, bandwidth B/s, max relative error) of an
-    all-to-all over n GPUs of one node in which each GPU holds B bytes: ``latency + B /
-    bandwidth``.
-
-    No all-to-all was measured. The all_gather rows of output size B stand in for it: both move
-    (n-1)/n x B bytes out of and into every GPU (the all-gather sends its B/n chunk to n-1 peers;
-    the all-to-all keeps 1/n of its B and sends the rest), and NVSwitch connects every GPU to
-    every other at its full NVLink bandwidth at once (full bisection), so the bytes per GPU, not
-    the pattern, set the time. Fitted on relative error to the out-of-place times (an
-    all-to-all is out of place), one fit per n.
-    """
-    rows = [r for r in _rows(src / "nccl_perf.csv") if r["op"] == "all_gather"]
-    out = {}
-    for n in sorted({int(r["ngpu"]) for r in rows}):
-        mine = [r for r in rows if int(r["ngpu"]) == n]
-        size = np.array([float(r["size_bytes"]) for r in mine])
-        t = np.array([float(r["t_us_out"]) for r in mine]) * 1e-6
-        basis = np.stack([np.ones(len(t)), size], 1)
-        coef, _ = nnls(basis / t[:, None], np.ones(len(t)))
-        rel = np.abs(basis @ coef - t) / t
-        out[n] = (float(coef[0]), float(1.0 / coef[1]), float(rel.max()))
-    return out
 
 
 def all_to_all_links(src: Path, shape: DecoderShape) -> list[dict]:
@@ -204,7 +104,7 @@ def coverage_warnings(shape: DecoderShape) -> list[str]:
             f"{', '.join(str(h) for h in sorted(MEASURED_HEADS))}): attention time interpolated "
             "in proportion to heads"
         )
-    heads = _measured_heads(shape.num_heads)
+    heads = measured_heads(shape.num_heads)
     measured_kv = max(4 // int(MEASURED_HEADS[heads]), 1)
     if shape.num_kv_heads > KV_HEADS_NO_CORRECTION * measured_kv:
         out.append(
@@ -359,7 +259,7 @@ def build_reference_profile(
         name = "h100-reference" if default else f"h100-{shape.name}"
         if analytic:
             name = "h100-analytic" if default else f"{name}-analytic"
-    att = fit_attention(src, _measured_heads(shape.num_heads))
+    att = fit_attention(src, measured_heads(shape.num_heads))
     scale_heads = shape.num_heads * shape.head_dim / (att.heads * MEASURED_HEAD_DIM)
     k0 = float(att.coef[2])
     fwd = [k0 + (t - k0) * scale_heads for t in att.forward_seconds]

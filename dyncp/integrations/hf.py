@@ -47,7 +47,7 @@ from torch import nn
 from dyncp.plan import PlanError, StepPlan
 from dyncp.plan.slice import PlanSlice
 from dyncp.ring_attention import HybridLayout, RingLayout, ring_attention
-from dyncp.testing.tiny_model import IGNORE, next_token_labels
+from dyncp.runtime import IGNORE, next_token_labels
 
 if TYPE_CHECKING:
     from dyncp.runtime import MicroBatchContext

@@ -60,9 +60,8 @@ from dyncp.integrations.fsdp import FSDPRunner
 from dyncp.integrations.hf import causal_lm_loss
 from dyncp.plan import StepPlan
 from dyncp.planner import Planner
-from dyncp.runtime import GroupPool, execute, reduce_loss
+from dyncp.runtime import IGNORE, GroupPool, execute, reduce_loss
 from dyncp.sampler import DynamicCPSampler
-from dyncp.testing.tiny_model import IGNORE
 
 try:
     from transformers import Trainer

@@ -57,7 +57,7 @@ from dyncp.observability.exporter import (
     start_exporter,
 )
 from dyncp.plan import StepPlan, padded_length
-from dyncp.planner.head_split import layout_histogram
+from dyncp.planner.improvement.head_split import layout_histogram
 
 if TYPE_CHECKING:
     from dyncp.cost_model.evaluate import PlanCost

@@ -7,12 +7,12 @@ faster). A :class:`StepBudget` turns the predicted step into the time its planni
 
     seconds = clamp(share x predicted step seconds, floor, cap)
 
-The prediction is the batch's closed-form lower bound (``dyncp.planner.bound``: microseconds to
-compute, a pure function of the batch; the plans the planner finds are 1-4% above it on the
-bench's dense scenarios, up to 20% on sparse ones, so the budget errs low). It is known before
-planning starts, so the whole pipeline runs within the budget, anytime: the greedy constructor
-first (candidates in order of promise, then its local search), then CP-SAT for what is left;
-the best plan so far is kept, and a solver that runs out of time returns its best plan.
+The prediction is the batch's closed-form lower bound (``dyncp.planner.bounds.closed_form``:
+microseconds to compute, a pure function of the batch; the plans the planner finds are 1-4% above it
+on the bench's dense scenarios, up to 20% on sparse ones, so the budget errs low). It is known
+before planning starts, so the whole pipeline runs within the budget, anytime: the greedy
+constructor first (candidates in order of promise, then its local search), then CP-SAT for what is
+left; the best plan so far is kept, and a solver that runs out of time returns its best plan.
 
 Defaults (``share=0.25``, ``cap=2.0``, ``floor=0.1``) -- why:
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.bound import min_cp_sizes
+from dyncp.planner.batch import min_cp_sizes
 
 __all__ = ["SequenceCosts"]
 

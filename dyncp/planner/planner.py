@@ -32,53 +32,64 @@ with one worker, a deterministic time limit and a fixed seed, and whether it run
 ``time_limit`` only, never on elapsed wall time, so identical inputs give identical plans on every
 machine.
 
-Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.lp_bound``, a few
-milliseconds) with ``bound="tight"`` (default), the closed-form one (``dyncp.planner.bound``) with
-``bound="simple"``; both are reported (``simple_lower_bound_seconds``) and the gap is against the
-tighter. ``timings.plan_seconds`` is the wall clock of the whole ``plan()`` call, validation
-included, and the bounds unless they are deferred.
+Bounds: ``stats["lower_bound_seconds"]`` is the tight LP bound (``dyncp.planner.bounds.lp_bound``, a
+few milliseconds) with ``bound="tight"`` (default), the closed-form one
+(``dyncp.planner.bounds.closed_form``) with ``bound="simple"``; both are reported
+(``simple_lower_bound_seconds``) and the gap is against the tighter. ``timings.plan_seconds`` is the
+wall clock of the whole ``plan()`` call, validation included, and the bounds unless they are
+deferred.
 
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
-(``dyncp.planner.deferred``): the plan's bound fields are ``None`` and ``stats["bound"]["status"]``
-is ``"PENDING"`` until it is written; ``Planner.wait_bound(plan)`` waits for it. ``"auto"``
-(default) defers where the bound would not fit the deadline: with a wall-clock deadline, when the
-bound is predicted (``BOUND_SECONDS_PER_SEQUENCE`` per sequence) to take more than
-``DEFER_SHARE`` of ``time_limit`` and more than ``DEFER_MIN_SECONDS`` -- never for a batch of at
-most 3,333 sequences, never in deterministic mode. ``"always"`` and ``"never"`` force it. A
-deferred bound is the same number the synchronous one is (the same computation, later).
+(``dyncp.planner.bounds.deferred``): the plan's bound fields are ``None`` and
+``stats["bound"]["status"]`` is ``"PENDING"`` until it is written; ``Planner.wait_bound(plan)``
+waits for it. ``"auto"`` (default) defers where the bound would not fit the deadline: with a
+wall-clock deadline, when the bound is predicted (``BOUND_SECONDS_PER_SEQUENCE`` per sequence) to
+take more than ``DEFER_SHARE`` of ``time_limit`` and more than ``DEFER_MIN_SECONDS`` -- never for a
+batch of at most 3,333 sequences, never in deterministic mode. ``"always"`` and ``"never"`` force
+it. A deferred bound is the same number the synchronous one is (the same computation, later).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost, check_timing, evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost
 from dyncp.cost_model.model import CostModel
-from dyncp.plan import PlanError, StepPlan, Topology
-from dyncp.planner.assignment import Assignment
-from dyncp.planner.baselines import BaselineCandidates
-from dyncp.planner.bound import lower_bound
+from dyncp.plan import StepPlan, Topology
+from dyncp.planner.baselines.candidates import BaselineCandidates
+from dyncp.planner.baselines.static import static_cp_size
+from dyncp.planner.bounds.closed_form import lower_bound
+from dyncp.planner.bounds.deferred import DeferredBounds
+from dyncp.planner.bounds.report import (
+    BOUND_SECONDS_PER_SEQUENCE,
+    bound_fields,
+    defers,
+)
 from dyncp.planner.budget import StepBudget
-from dyncp.planner.cpsat import CpSatImprover
-from dyncp.planner.deferred import DeferredBounds
-from dyncp.planner.dp_balanced import dp_balanced_plan
-from dyncp.planner.greedy import GreedyConstructor
-from dyncp.planner.head_split import SplitEnvelope, choose_splits
-from dyncp.planner.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
-from dyncp.planner.laminar import LaminarImprover
-from dyncp.planner.lp_bound import lp_lower_bound
-from dyncp.planner.megatron import megatron_plan
-from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.config import (
+    ALL_POLICIES,
+    BOUNDS,
+    DEFER_BOUND,
+    HYBRID_POLICY,
+    POLICIES,
+    Improver,
+    PlannerConfig,
+)
+from dyncp.planner.improvement.cpsat import CpSatImprover
+from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
+from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
+from dyncp.planner.improvement.laminar import LaminarImprover
+from dyncp.planner.stages import PlannerStages, nested_core
 
 __all__ = [
     "Planner",
+    "PlannerConfig",
     "POLICIES",
     "ALL_POLICIES",
     "HYBRID_POLICY",
@@ -88,38 +99,15 @@ __all__ = [
     "nested_core",
 ]
 
-#: Policies that run rings only (every group u = 1).
-POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
-#: dyncp with a head split chosen per group (needs ``head_sizes`` beyond 1).
-HYBRID_POLICY = "dyncp-hybrid"
-ALL_POLICIES = (*POLICIES, HYBRID_POLICY)
-BOUNDS = ("tight", "simple")
-DEFER_BOUND = ("auto", "always", "never")
-#: ``defer_bound="auto"``'s prediction of the bounds' wall time per sequence of the batch.
-#: Measured here (one core, quiet): 3.3-3.6 s for 131,072 sequences on 16,384 ranks (25-27 us),
-#: 0.4 s for 32,768 on 4,096 (12 us), 12-15 ms for 512 on 64 (23-29 us); rounded up.
-BOUND_SECONDS_PER_SEQUENCE = 30e-6
-#: ``"auto"`` defers the bounds when predicted to take more than this share of ``time_limit``
-#: (the constructor's reserve for validation and bounds is at most half of it)...
-DEFER_SHARE = 0.25
-#: ... and more than this many seconds (so batches of at most 3,333 sequences never defer).
-DEFER_MIN_SECONDS = 0.1
 #: First call's estimate of validation + pricing wall time per sequence (measured here: 0.12 s
 #: + 0.04 s for 131,072 sequences); later calls use the previous call's measured time.
 TAIL_SECONDS_PER_SEQUENCE = 1.5e-6
-
-Improver = Callable[[StepPlan, CostModel], StepPlan]
-
-log = logging.getLogger(__name__)
 
 #: Share of the construction's wall time the baseline candidates may take (``_baseline_deadline``):
 #: all four take 13-17 ms at 64 ranks and 512 sequences on a quiet core, three times that under
 #: load, and a skipped baseline is a step on which dyncp may lose to it; the construction always
 #: realises its first structure, whatever is left.
 BASELINE_SHARE = 0.75
-#: Share of what is left after the constructor that the layout search (``dyncp.planner.laminar``,
-#: batches of at most ``LAYOUT_MAX_SEQUENCES``) may take before CP-SAT on the slots gets the rest.
-LAYOUT_SHARE = 0.6
 
 
 class _Baseline(NamedTuple):
@@ -131,392 +119,96 @@ class _Baseline(NamedTuple):
     seconds: float
 
 
-def nested_core(topology: Topology) -> Topology | None:
-    """The topology on the menu's powers of two when the menu's sizes do not nest (some size
-    does not divide the next), else None: what ``Planner`` also constructs on such a menu."""
-    sizes = topology.group_sizes
-    if all(b % a == 0 for a, b in zip(sizes, sizes[1:])):
-        return None
-    core = tuple(c for c in sizes if c & (c - 1) == 0)
-    if len(core) < 2:
-        return None
-    return Topology(topology.world, topology.ranks_per_node, topology.capacity, core)
+def _topology(config: PlannerConfig, model: CostModel) -> Topology:
+    """``config``'s topology; the heads a head split needs default to the model profile's."""
+    splits = any(int(u) > 1 for u in config.head_sizes)
+    shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
+    query_heads, kv_heads = config.query_heads, config.kv_heads
+    if query_heads is None:
+        query_heads = shape.num_heads if shape is not None else 0
+    if kv_heads is None:
+        kv_heads = shape.num_kv_heads if shape is not None else 0
+    return Topology(
+        config.world,
+        config.ranks_per_node,
+        config.capacity,
+        config.group_sizes,
+        config.head_sizes,
+        int(query_heads),
+        int(kv_heads),
+    )
 
 
-class Planner:
+class Planner(PlannerStages):
     """Plans steps under one policy.
 
-    Args:
-        model: cost model used to choose (dyncp, batch-adaptive) and to report predictions.
-        world, ranks_per_node, capacity: the DP x CP ranks and tokens per rank per micro-batch.
-        policy: one of ``POLICIES``.
-        max_length: longest admitted document; sets the static policy's CP size (required for
-            ``static``).
-        group_sizes: allowed CP sizes (default: powers of two dividing world).
-        time_limit: seconds the dyncp policy may spend per step (deterministic units in
-            deterministic mode); default 0.1. Not with ``budget``.
-        deterministic: reproducible CP-SAT (see the module docstring).
-        cpsat: the CP-SAT improver; ``None`` disables it. Default: ``CpSatImprover()``.
-        min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
-            after the greedy (building its model alone takes tens of milliseconds).
-        improver: optional user improvement of the plan (dyncp policy only), same guarantees.
-        bound: ``"tight"`` (LP, reported every step) or ``"simple"`` (closed form: skips the LP,
-            e.g. in the plan service where latency matters more than the report).
-        defer_bound: ``"auto"``, ``"always"`` or ``"never"``: whether the bounds are computed
-            after ``plan()`` returns (module docstring; ``wait_bound``). Only the tight bound is
-            ever deferred.
-        reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
-            pricing (at most half of ``time_limit``); at least 1.1 x what ran after its deadline
-            in the previous call (pricing, validation, a synchronous bound, the constructor's
-            own overshoot; on the first call an estimate from the batch's size:
-            ``TAIL_SECONDS_PER_SEQUENCE``, plus ``BOUND_SECONDS_PER_SEQUENCE`` when the bound
-            is not deferred), still at most half.
-        head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
-            ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
-            split and then gives each group its fastest split (``dyncp.planner.head_split``);
-            the other policies run rings (u = 1). The lower bound counts the splits whatever
-            the policy, so every policy's gap is against the same bound.
-        query_heads, kv_heads: the model's attention heads (default: the profile's
-            ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
-        timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``): ``"dataflow"``
-            (default: how ``dyncp.runtime.execute`` runs a plan, no barrier between waves) or
-            ``"barrier"`` (the wave-barrier price, kept for comparison). Every candidate, every
-            improvement and the baselines are compared and reported under it, and the tight
-            bound is proven for it (a dataflow bound also bounds barrier plans).
-        budget: plan each step for a share of its predicted seconds instead of a fixed
-            ``time_limit`` (``dyncp.planner.budget``); ``plan(lengths, budget=...)`` overrides
-            it per call.
-        baselines: build the baseline policies' plans as candidates of the dyncp policies
-            (``dyncp.planner.baselines``), so that the plan handed out is never slower than
-            theirs; ``False`` shows what the search alone finds.
-        layout: run the layout search (``dyncp.planner.laminar``) on batches of at most
-            ``LAYOUT_MAX_SEQUENCES`` sequences, before CP-SAT, with ``LAYOUT_SHARE`` of the time
-            left (when that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; so never
-            at the default ``time_limit``); off with ``cpsat=None`` too.
+    ``Planner(model, world=..., ranks_per_node=..., capacity=..., ...)`` with the options of
+    :class:`PlannerConfig` as keywords, or ``Planner(model, config)``; ``planner.config`` is the
+    configuration. ``model``: the cost model used to choose (dyncp, batch-adaptive) and to report
+    predictions.
+
+    Raises:
+        ValueError: an option outside what is allowed (``PlannerConfig``), or one that does not
+            fit the model (its ``ranks_per_node``; the heads a head split needs).
+        TypeError: both ``config`` and options, or an unknown option.
     """
 
     def __init__(
-        self,
-        model: CostModel,
-        *,
-        world: int,
-        ranks_per_node: int,
-        capacity: int,
-        policy: str = "dyncp",
-        max_length: int | None = None,
-        group_sizes: Sequence[int] = (),
-        time_limit: float | None = None,
-        deterministic: bool = False,
-        cpsat: CpSatImprover | None | str = "default",
-        min_improve_seconds: float = 0.2,
-        improver: Improver | None = None,
-        bound: str = "tight",
-        defer_bound: str = "auto",
-        reserve_seconds: float = 0.03,
-        head_sizes: Sequence[int] = (1,),
-        query_heads: int | None = None,
-        kv_heads: int | None = None,
-        timing: str = "dataflow",
-        budget: StepBudget | None = None,
-        baselines: bool = True,
-        layout: bool = True,
+        self, model: CostModel, config: PlannerConfig | None = None, **options: Any
     ) -> None:
-        self.timing = check_timing(timing)
-        time_limit = self._check_budget(time_limit, budget)
-        if bound not in BOUNDS:
-            raise ValueError(f"unknown bound {bound!r}; choose one of {', '.join(BOUNDS)}")
-        if defer_bound not in DEFER_BOUND:
-            raise ValueError(
-                f"unknown defer_bound {defer_bound!r}; choose one of {', '.join(DEFER_BOUND)}"
-            )
-        if not reserve_seconds >= 0:
-            raise ValueError(f"reserve_seconds must be >= 0, got {reserve_seconds}")
-        if policy not in ALL_POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(ALL_POLICIES)}")
-        if model.ranks_per_node != ranks_per_node:
+        if config is None:
+            config = PlannerConfig(**options)
+        elif options:
+            raise TypeError(f"give a config or options, not both (got {sorted(options)})")
+        self.config = config
+        if model.ranks_per_node != config.ranks_per_node:
             raise ValueError(
                 f"cost model built for ranks_per_node={model.ranks_per_node}, planner has "
-                f"{ranks_per_node}"
+                f"{config.ranks_per_node}"
             )
-        if not time_limit > 0:
-            raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
-        self.budget = budget
+        self.timing = config.timing
+        self.budget = config.budget
         self.model = model
-        splits = any(int(u) > 1 for u in head_sizes)
-        shape = getattr(getattr(model, "profile", None), "model", None) if splits else None
-        if query_heads is None:
-            query_heads = shape.num_heads if shape is not None else 0
-        if kv_heads is None:
-            kv_heads = shape.num_kv_heads if shape is not None else 0
-        self.topology = Topology(
-            world,
-            ranks_per_node,
-            capacity,
-            tuple(group_sizes),
-            tuple(head_sizes),
-            int(query_heads),
-            int(kv_heads),
-        )
+        self.topology = _topology(config, model)
         self._envelope: SplitEnvelope | None = None
+        policy = config.policy
         if policy == HYBRID_POLICY and self.topology.head_sizes == (1,):
             raise ValueError(
                 "policy 'dyncp-hybrid' chooses head splits: give head_sizes beyond (1,), "
                 "e.g. (1, 2, 4, 8)"
             )
         self.policy = policy
-        self.time_limit = float(time_limit)
-        self.deterministic = deterministic
+        self.time_limit = float(config.seconds_per_step)
+        self.deterministic = deterministic = config.deterministic
+        cpsat = config.cpsat
         if cpsat == "default":
             cpsat = CpSatImprover(deterministic=deterministic)
         self.cpsat: CpSatImprover | None = cpsat  # type: ignore[assignment]
         # The layout search of small batches runs with the CP-SAT improvement (off with it).
         self.layout = (
-            LaminarImprover(deterministic=deterministic) if layout and cpsat is not None else None
+            LaminarImprover(deterministic=deterministic)
+            if config.layout and cpsat is not None
+            else None
         )
-        self.min_improve_seconds = min_improve_seconds
-        self.improver = improver
-        self.bound = bound
-        self.defer_bound = defer_bound
+        self.min_improve_seconds = config.min_improve_seconds
+        self.improver = config.improver
+        self.bound = config.bound
+        self.defer_bound = config.defer_bound
         self._deferred = DeferredBounds()
-        self.reserve_seconds = min(float(reserve_seconds), 0.5 * self.time_limit)
+        self.reserve_seconds = min(float(config.reserve_seconds), 0.5 * self.time_limit)
         # Pricing, validation and (synchronous) bounds of the previous call (wall clock).
         self._tail_seconds: float | None = None
         self.solver_status_counts: Counter[str] = Counter()
         self.baselines: BaselineCandidates | None = None
-        if baselines and policy in ("dyncp", HYBRID_POLICY):
-            self.baselines = BaselineCandidates(self.topology, max_length=max_length)
+        if config.baselines and policy in ("dyncp", HYBRID_POLICY):
+            self.baselines = BaselineCandidates(self.topology, max_length=config.max_length)
         self.static_cp: int | None = None
         if policy in ("static", "dp-balanced"):
-            if max_length is None:
+            if config.max_length is None:
                 raise ValueError(f"policy {policy!r} needs max_length (longest admitted document)")
-            self.static_cp = static_cp_size(max_length, self.topology)
-
-    # ------------------------------------------------------------------------------ stages
-    def _construct(
-        self, lengths: np.ndarray, deadline: float | None = None
-    ) -> tuple[StepPlan, GreedyConstructor | None]:
-        topo, model = self.topology, self.model
-        if self.policy == "dp-balanced":
-            assert self.static_cp is not None
-            return dp_balanced_plan(lengths, topo, self.static_cp), None
-        if self.policy == "static":
-            assert self.static_cp is not None
-            return fixed_cp_plan(lengths, topo, model, self.static_cp), None
-        if self.policy == "batch-adaptive":
-            return batch_adaptive_plan(lengths, topo, model, timing=self.timing), None
-        if self.policy == "megatron":
-            return megatron_plan(lengths, topo), None
-        if self.policy == HYBRID_POLICY:
-            return self._construct_hybrid(lengths, deadline)
-        core = nested_core(topo)
-        if core is not None:
-            return self._construct_menu(lengths, core, deadline)
-        greedy = GreedyConstructor(lengths, topo, model, timing=self.timing)
-        return greedy.best(deadline=deadline), greedy
-
-    def _construct_menu(
-        self, lengths: np.ndarray, core: Topology, deadline: float | None
-    ) -> tuple[StepPlan, GreedyConstructor]:
-        """A menu whose sizes do not nest (``dyncp.plan.menu``: 8 and 9 on an NVL72): two
-        constructions, each with half of the time, one on the menu and one on its powers of two
-        (which nest); the faster wins, as a plan of the menu's topology.
-
-        The search is heuristic, so a larger menu can lead it elsewhere; with its powers of two
-        constructed too, dyncp on a menu is never slower than dyncp on those powers of two in
-        deterministic mode (the same construction); with a wall-clock deadline, than that
-        construction with half the time. The powers of two are skipped when they cannot hold
-        the batch's longest sequence.
-        """
-        half = None
-        if deadline is not None:
-            now = time.perf_counter()
-            half = now + max(deadline - now, 0.0) / 2
-        menu = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
-        plan = menu.best(deadline=half)
-        if len(lengths) and core.min_cp(int(lengths.max())) is None:
-            return plan, menu
-        nested = GreedyConstructor(lengths, core, self.model, timing=self.timing)
-        other = nested.best(deadline=deadline)
-        menu.tried += nested.tried
-        if self._seconds(other, self.model) < self._seconds(plan, self.model):
-            other.topology = self.topology
-            other.stats["construction"] = "powers-of-two"
-            return other, menu
-        plan.stats["construction"] = "menu"
-        return plan, menu
-
-    def _construct_hybrid(
-        self, lengths: np.ndarray, deadline: float | None
-    ) -> tuple[StepPlan, GreedyConstructor]:
-        """Two constructions, each with half of the time: one priced as rings (what ``dyncp``
-        builds), one priced at every CP size's cheapest split; the faster once every group has
-        its best split wins.
-
-        The ring-priced plan with its splits chosen is never slower than it is as rings (u = 1
-        is a split), so the hybrid policy never ends slower than the ring-only construction it
-        contains: the same plan as ``dyncp`` in deterministic mode; with a wall-clock deadline,
-        ``dyncp``'s construction with half the time.
-        """
-        half = None
-        if deadline is not None:
-            now = time.perf_counter()
-            half = now + max(deadline - now, 0.0) / 2
-        ring = GreedyConstructor(lengths, self.topology, self.model, timing=self.timing)
-        split = GreedyConstructor(lengths, self.topology, self.search_model, timing=self.timing)
-        ring_plan = ring.best(deadline=half)
-        split_plan = split.best(deadline=deadline)
-        ring_seconds, split_seconds = (
-            self._seconds(choose_splits(p, self.model), self.model) for p in (ring_plan, split_plan)
-        )
-        if ring_seconds < split_seconds:
-            ring_plan.stats["construction"] = "ring-priced"
-            ring.tried += split.tried
-            return ring_plan, ring
-        split_plan.stats["construction"] = "split-priced"
-        split.tried += ring.tried
-        return split_plan, split
-
-    def _run_cpsat(
-        self,
-        plan: StepPlan,
-        cost: PlanCost,
-        greedy: GreedyConstructor,
-        start: float,
-        stats: dict,
-        limit: float | None = None,
-    ) -> tuple[StepPlan, PlanCost]:
-        """CP-SAT on ``plan`` for what is left of ``limit`` (default ``time_limit``) seconds
-        since ``start``; in deterministic mode ``limit`` deterministic units."""
-        assert self.cpsat is not None
-        limit = self.time_limit if limit is None else limit
-        if self.deterministic:
-            budget = limit
-            run = budget >= self.min_improve_seconds
-        else:
-            left = limit - (time.perf_counter() - start)
-            run = left >= self.min_improve_seconds
-            # Keep a reserve for realising, validating and pricing the solver's answer.
-            budget = 0.9 * left - 0.02
-        if not run or len(plan.lengths) == 0:
-            reason = "empty batch" if len(plan.lengths) == 0 else "not enough time left"
-            self.solver_status_counts["SKIPPED"] += 1
-            stats["solver"] = {"status": "SKIPPED", "reason": reason}
-            return plan, cost
-        assignment, result = self.cpsat.solve(Assignment.from_plan(plan, greedy.costs), budget)
-        self.solver_status_counts[result.status.split(":")[0]] += 1
-        stats["timings"].update(
-            solver_wall_seconds=result.wall_seconds, solver_build_seconds=result.build_seconds
-        )
-        stats["solver"] = {
-            "status": result.status,
-            "objective_seconds": result.objective_seconds,
-            "bound_seconds": result.bound_seconds,
-            "variables": result.variables,
-        }
-        if result.objective_seconds is None:
-            return plan, cost
-        try:
-            candidate = assignment.to_plan(plan)
-        except (ValueError, IndexError) as exc:  # e.g. a sequence in a slot too small for it
-            log.warning(
-                "CP-SAT plan rejected (cannot be packed), keeping the previous one: %s", exc
-            )
-            self.solver_status_counts["REJECTED"] += 1
-            return plan, cost
-        return self._keep_better(plan, cost, candidate, "CP-SAT")
-
-    def _run_layout(
-        self, plan: StepPlan, cost: PlanCost, start: float, stats: dict, limit: float
-    ) -> tuple[StepPlan, PlanCost]:
-        """The layout search (``dyncp.planner.laminar``) on a small batch for ``LAYOUT_SHARE``
-        of what is left of ``limit`` (deterministic mode: of ``limit`` units), when that is at
-        least ``LAYOUT_SHARE`` x ``min_improve_seconds``; kept only if valid and faster.
-        Deterministic mode leaves CP-SAT its own ``limit`` units (reproducible either way)."""
-        assert self.layout is not None
-        if self.deterministic:
-            budget = LAYOUT_SHARE * limit
-        else:
-            budget = LAYOUT_SHARE * (limit - (time.perf_counter() - start))
-        if budget < self.min_improve_seconds * LAYOUT_SHARE:
-            stats["layout"] = {"status": "SKIPPED: not enough time left"}
-            return plan, cost
-        candidate, result = self.layout.solve(plan, self._pricing, budget)
-        stats["layout"] = {
-            "status": result.status,
-            "objective_seconds": result.objective_seconds,
-            "variables": result.variables,
-        }
-        stats["timings"]["layout_seconds"] = result.wall_seconds
-        if candidate is None:
-            return plan, cost
-        before = cost.step_seconds
-        plan, cost = self._keep_better(plan, cost, candidate, "layout search")
-        stats["layout"]["kept"] = cost.step_seconds < before
-        return plan, cost
-
-    def _keep_better(
-        self, plan: StepPlan, cost: PlanCost, candidate: StepPlan, who: str
-    ) -> tuple[StepPlan, PlanCost]:
-        """``candidate`` and its cost if it is valid, for this batch, and predicted faster."""
-        try:
-            if candidate.lengths != plan.lengths or candidate.topology != plan.topology:
-                raise ValueError(f"{who} returned a plan for another batch or topology")
-            candidate.validate()
-        except (PlanError, ValueError) as exc:
-            log.warning("%s plan rejected, keeping the previous one: %s", who, exc)
-            self.solver_status_counts["REJECTED"] += 1
-            return plan, cost
-        new = self._price(candidate, self._pricing)
-        return (candidate, new) if new.step_seconds < cost.step_seconds else (plan, cost)
-
-    def _price(self, plan: StepPlan, model: CostModel | SplitEnvelope) -> PlanCost:
-        """``plan``'s cost under ``model``, timed as this planner's objective."""
-        return evaluate_plan(plan, model, timing=self.timing)  # type: ignore[arg-type]
-
-    def _seconds(self, plan: StepPlan, model: CostModel | SplitEnvelope) -> float:
-        return self._price(plan, model).step_seconds
-
-    @property
-    def search_model(self) -> CostModel | SplitEnvelope:
-        """What the search and the bounds price: each CP size at its cheapest head split when
-        the topology allows splits, else the model itself. Follows ``self.model`` when it is
-        replaced (a calibrated model version)."""
-        if self.topology.head_sizes == (1,):
-            return self.model
-        if self._envelope is None or self._envelope.model is not self.model:
-            self._envelope = SplitEnvelope(self.model, self.topology)
-        return self._envelope
-
-    @property
-    def _pricing(self) -> CostModel:
-        """The model the policy's candidates are compared with (before splits are chosen)."""
-        return self.search_model if self.policy == HYBRID_POLICY else self.model
-
-    def _run_improver(self, plan: StepPlan, cost: PlanCost) -> tuple[StepPlan, PlanCost]:
-        assert self.improver is not None
-        try:
-            candidate = self.improver(plan, self.model)
-        except (PlanError, ValueError, RuntimeError) as exc:
-            log.warning("improver failed, keeping the constructed plan: %s", exc)
-            return plan, cost
-        return self._keep_better(plan, cost, candidate, "improver")
+            self.static_cp = static_cp_size(config.max_length, self.topology)
 
     # ------------------------------------------------------------------------ budget, baselines
-    @staticmethod
-    def _check_budget(time_limit: float | None, budget: StepBudget | None) -> float:
-        """``time_limit`` (default 0.1 s), or the budget's floor (what a policy without a
-        budget, or a planner asked for its ``time_limit``, uses): the two are exclusive."""
-        if budget is None:
-            return 0.1 if time_limit is None else time_limit
-        if not isinstance(budget, StepBudget):
-            raise ValueError(f"budget must be a StepBudget or None, got {budget!r}")
-        if time_limit is not None:
-            raise ValueError(
-                "give time_limit (a fixed limit per step) or budget (a share of the predicted "
-                "step, at least budget.floor), not both"
-            )
-        return budget.floor
-
     def _budget_seconds(
         self, budget: StepBudget | None, predicted: float | None, stats: dict
     ) -> float:
@@ -699,15 +391,15 @@ class Planner:
         return plan
 
     def _defers(self, sequences: int, limit: float) -> bool:
-        """Whether this batch's bounds are computed after ``plan()`` returns (module
-        docstring): the tight bound only; in ``"auto"`` mode with a wall-clock deadline only,
-        when predicted to take more than ``DEFER_SHARE`` of it and ``DEFER_MIN_SECONDS``."""
-        if self.bound != "tight" or self.defer_bound == "never":
-            return False
-        if self.defer_bound == "always":
-            return True
-        predicted = BOUND_SECONDS_PER_SEQUENCE * sequences
-        return not self.deterministic and predicted > max(DEFER_SHARE * limit, DEFER_MIN_SECONDS)
+        """Whether this batch's bounds are computed after ``plan()`` returns
+        (``dyncp.planner.bounds.report.defers``)."""
+        return defers(
+            bound=self.bound,
+            defer_bound=self.defer_bound,
+            deterministic=self.deterministic,
+            sequences=sequences,
+            limit=limit,
+        )
 
     def _bound_fields(
         self,
@@ -719,30 +411,18 @@ class Planner:
         failed: BaseException | None = None,
         simple: float | None = None,
     ) -> dict:
-        """The bound fields of ``stats`` for a plan of ``seconds``: the closed-form bound, the
-        tight one when ``tight``, the gaps, ``bound`` (what was computed) and ``bound_seconds``
-        (wall clock). ``failed``: the tight bound's error, reported with the closed form.
-        ``simple``: the closed-form bound when ``plan()`` already computed it (for a budget)."""
-        t0 = time.perf_counter()
-        if simple is None:
-            simple = lower_bound(lengths, self.topology, search_model)
-        bound, bound_info = simple, {"kind": "simple"}
-        if failed is not None:
-            bound_info["status"] = f"tight bound failed: {failed!r}"
-        elif tight:
-            lp = lp_lower_bound(
-                lengths, self.topology, search_model, simple=simple, timing=self.timing
-            )
-            bound = lp.seconds
-            bound_info = {"kind": "tight", "status": lp.status, "variables": lp.variables}
-        return {
-            "lower_bound_seconds": bound,
-            "simple_lower_bound_seconds": simple,
-            "gap_to_lower_bound": seconds / bound - 1.0 if bound > 0 else 0.0,
-            "gap_to_simple_bound": seconds / simple - 1.0 if simple > 0 else 0.0,
-            "bound": bound_info,
-            "bound_seconds": time.perf_counter() - t0,
-        }
+        """The bound fields of ``stats`` for a plan of ``seconds``
+        (``dyncp.planner.bounds.report.bound_fields``)."""
+        return bound_fields(
+            lengths,
+            self.topology,
+            seconds,
+            search_model,
+            timing=self.timing,
+            tight=tight,
+            failed=failed,
+            simple=simple,
+        )
 
     def wait_bound(self, plan: StepPlan, timeout: float | None = None) -> StepPlan:
         """``plan`` (from this planner) once its bounds are in its ``stats``: at once unless

@@ -31,13 +31,11 @@ class VersionedPlanner:
 
     @classmethod
     def rebuild(cls, planner: Any, version: ModelVersion) -> VersionedPlanner:
-        """``planner`` with the same options on ``version``'s model (a shallow copy: the solver
-        and its status counters are shared)."""
-        import copy
-
+        """A planner with ``planner``'s options (its ``config``, validated again) on
+        ``version``'s model. A new planner: its solver, status counters and timing history are
+        its own."""
         base = planner.inner if isinstance(planner, VersionedPlanner) else planner
-        inner = copy.copy(base)
-        inner.model = version.model(base.model.ranks_per_node)
+        inner = type(base)(version.model(base.model.ranks_per_node), base.config)
         return cls(inner, version)
 
     def plan(self, lengths: Sequence[int] | np.ndarray, **options: Any) -> StepPlan:

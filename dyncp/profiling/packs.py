@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from dyncp.cost_model.calibration.fit import Measurement
 from dyncp.plan import padding_multiple
+from dyncp.profiling.decoder import TinyDecoder
 from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
-from dyncp.testing import TinyDecoder, next_token_labels
+from dyncp.runtime import next_token_labels
 
 __all__ = ["measure_packs", "random_pack", "ring_sizes"]
 

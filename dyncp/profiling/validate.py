@@ -30,9 +30,9 @@ import torch.distributed as dist
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, ProfileError, RunContext
 from dyncp.data.readers import load_lengths, resolve_dataset
+from dyncp.profiling.decoder import TinyConfig, TinyDecoder
+from dyncp.profiling.measure import run_context
 from dyncp.profiling.packs import measure_packs, random_pack, ring_sizes
-from dyncp.profiling.profile import run_context
-from dyncp.testing import TinyConfig, TinyDecoder
 
 __all__ = ["main", "random_pack", "setup_differences"]
 

@@ -1,4 +1,9 @@
-"""Runtime: pre-built communicators and the execution of a StepPlan on every rank."""
+"""Runtime: pre-built communicators and the execution of a StepPlan on every rank.
+
+Modules: ``executor`` (runs a StepPlan's waves), ``group_pool`` (the pre-built communicators),
+``reduce`` (gradient and loss reduction), ``measure`` (timings for calibration), ``labels``
+(next-token labels of a packed batch).
+"""
 
 from dyncp.runtime.executor import (
     MicroBatchContext,
@@ -9,9 +14,11 @@ from dyncp.runtime.executor import (
     label_tokens,
 )
 from dyncp.runtime.group_pool import GroupPool, job_timeout
+from dyncp.runtime.labels import IGNORE, next_token_labels
 from dyncp.runtime.reduce import reduce_gradients, reduce_loss
 
 __all__ = [
+    "IGNORE",
     "GroupPool",
     "MicroBatchContext",
     "MicroBatchTiming",
@@ -20,6 +27,7 @@ __all__ = [
     "execute",
     "job_timeout",
     "label_tokens",
+    "next_token_labels",
     "reduce_gradients",
     "reduce_loss",
 ]

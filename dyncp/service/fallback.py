@@ -8,6 +8,8 @@ the service and the samplers (``plan_batch``, ``check_plan``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology
@@ -22,23 +24,25 @@ def fallback_planner(planner: Planner) -> Planner:
 
     A pure function of the batch (no CP-SAT, no wall clock), so every rank computes the same plan.
     It chooses head splits when ``planner`` does (policy ``dyncp-hybrid``) and optimises the
-    same timing (``planner.timing``).
+    same timing (``planner.timing``). Of ``planner``'s other options it keeps those that cannot
+    change a deterministic plan without CP-SAT; those that could (a user improver, the baselines,
+    ``max_length``) and the bound it reports (the tight one, computed with the plan) are the
+    defaults, whatever ``planner`` was given.
     """
-    t = planner.topology
-    return Planner(
-        planner.model,
-        world=t.world,
-        ranks_per_node=t.ranks_per_node,
-        capacity=t.capacity,
-        group_sizes=t.group_sizes,
+    config = dataclasses.replace(
+        planner.config,
         policy=HYBRID_POLICY if planner.policy == HYBRID_POLICY else "dyncp",
         deterministic=True,
         cpsat=None,
-        head_sizes=t.head_sizes,
-        query_heads=t.query_heads,
-        kv_heads=t.kv_heads,
-        timing=planner.timing,
+        improver=None,
+        max_length=None,
+        baselines=True,
+        bound="tight",
+        defer_bound="auto",
+        time_limit=None,
+        budget=None,
     )
+    return Planner(planner.model, config)
 
 
 def plan_batch(

@@ -14,7 +14,7 @@ import numpy as np
 from dyncp.cost_model.evaluate import PlanCost, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
-from dyncp.planner.head_split import layout_histogram
+from dyncp.planner.improvement.head_split import layout_histogram
 from dyncp.planner.planner import Planner
 
 __all__ = [

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dyncp.profiling import rope
 from dyncp.ring_attention import RingLayout, ring_attention
+from dyncp.runtime import IGNORE
 from dyncp.ssm import channel_parallel_scan, diagonal_scan
-from dyncp.testing.tiny_model import IGNORE, _rope
 
 __all__ = ["HybridConfig", "HybridDecoder"]
 
@@ -72,7 +73,7 @@ class _HybridBlock(nn.Module):
         h = self.norm1(x)
         q = self.q(h).view(-1, cfg.heads, cfg.head_dim)
         k, v = self.kv(h).view(-1, 2, cfg.kv_heads, cfg.head_dim).unbind(1)
-        q, k = _rope(q, positions, cfg.rope_base), _rope(k, positions, cfg.rope_base)
+        q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
         a = ring_attention(q, k, v, layout, causal=True, kernel="math", window=self.window)
         u, g = self.ssm_in(h).chunk(2, dim=-1)
         scan = diagonal_scan if cfg.ssm_exchange == "state" else channel_parallel_scan

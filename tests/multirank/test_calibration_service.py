@@ -18,7 +18,8 @@ import torch.distributed as dist
 from dyncp.control.model_channel import MeasurementChannel, ModelChannel, ServiceCalibration
 from dyncp.control.signing import PlanSigner
 from dyncp.cost_model import CostModel, evaluate_plan, load_profile
-from dyncp.cost_model.calibration.fit import Measurement, _apply, _coefficients
+from dyncp.cost_model.calibration.coefficients import apply_coefficients, profile_coefficients
+from dyncp.cost_model.calibration.fit import Measurement
 from dyncp.cost_model.calibration.online import ModelVersion, OnlineCalibrator
 from dyncp.planner import Planner
 from dyncp.sampler import BatchSchedule
@@ -31,10 +32,10 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 
 def slower_profile():
     model = CostModel(PROFILE, WORLD)
-    theta = _coefficients(model, []).copy()
+    theta = profile_coefficients(model, []).copy()
     theta[0] *= 1.3
     theta[4] *= 2.0
-    return _apply(PROFILE, theta, PROFILE.overheads.wave_seconds, [], model)
+    return apply_coefficients(PROFILE, theta, PROFILE.overheads.wave_seconds, [], model)
 
 
 def push_slower_steps(pusher: MeasurementChannel, steps: int, seed: int) -> None:

@@ -13,15 +13,10 @@ import torch
 import torch.distributed as dist
 
 from dyncp.cost_model.schema import Profile, load_profile
-from dyncp.profiling.profile import (
-    MODELS,
-    _all_to_all_into,
-    all_to_all_section,
-    build_profile,
-    fit_link_robust,
-    main,
-    measure_all_to_all,
-)
+from dyncp.profiling.decoder import MODELS
+from dyncp.profiling.fits import all_to_all_section, build_profile, fit_link_robust
+from dyncp.profiling.measure import measure_all_to_all
+from dyncp.profiling.profile import _all_to_all_into, main
 from dyncp.testing.distributed import SpawnError, run_gloo
 from tests.unit.profiling.test_profiler import synthetic_raw
 

@@ -1,7 +1,8 @@
 """The megatron policy as first written: a Python loop over every group for every document.
 
-Kept as the reference that ``dyncp.planner.megatron`` (which chooses groups with one vectorised
-pass per CP size) must match plan for plan, and as the baseline of bench/megatron_bench.py.
+Kept as the reference that ``dyncp.planner.baselines.megatron`` (which chooses groups with one
+vectorised pass per CP size) must match plan for plan, and as the baseline of
+bench/megatron_bench.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, padded_length
-from dyncp.planner.megatron import (
+from dyncp.planner.baselines.megatron import (
     WORKLOAD_CAP_DELTA,
     WaveGroup,
     full_world_wave,

@@ -1,9 +1,16 @@
 """Calibration: refit a profile to measured micro-batches and steps, online or offline; torch-free.
 
-Modules: ``measurements`` (what a measurement is, the bounded buffer), ``fit`` (the robust refit
-of a profile), ``mix`` (the same for layer-mix profiles), ``level`` (the robust level of a
-regime: a uniform rescale), ``online`` (OnlineCalibrator: refits while training runs, model
-versions).
+Modules, one line each:
+
+- ``measurements``: what a measurement is, the bounded buffer;
+- ``coefficients``: the coefficient vector of a refit, read from and written into a profile;
+- ``features``: what a dense refit prices (features, vectorised prediction, natural scales);
+- ``fit``: the robust refit of a profile (fit_profile), and judging it on held-out measurements;
+- ``mix``: the same for layer-mix profiles, priced by the exact model;
+- ``level``: the robust level of a regime (a uniform rescale);
+- ``change``: change detection (did the machine change, and at which step);
+- ``records``: what travels through the Store (measurement records, model versions);
+- ``online``: OnlineCalibrator, refits while training runs.
 """
 
 from dyncp.cost_model.calibration.fit import CalibrationResult, fit_profile, prediction_errors
@@ -14,10 +21,10 @@ from dyncp.cost_model.calibration.measurements import (
     MeasurementBuffer,
     WaveMeasurement,
 )
-from dyncp.cost_model.calibration.online import (
+from dyncp.cost_model.calibration.online import OnlineCalibrator
+from dyncp.cost_model.calibration.records import (
     MeasurementRecord,
     ModelVersion,
-    OnlineCalibrator,
     decode_measurements,
     encode_measurements,
 )

@@ -26,9 +26,10 @@ refitting its *coefficients*:
 =============================  ===========================================================
 
 The prediction is the one of :class:`CostModel` written in these coefficients, vectorised over
-the measurements (features precomputed once), rings and head splits (``Measurement.heads``)
-alike, so a fit of a few hundred measurements takes a tenth of a second and predicts exactly
-what ``CostModel(fit.profile)`` predicts. Layer-mix profiles (windows, SSM layers) are fitted
+the measurements (features precomputed once: ``features``; the coefficient layout:
+``coefficients``), rings and head splits (``Measurement.heads``) alike, so a fit of a few
+hundred measurements takes a tenth of a second and predicts exactly what
+``CostModel(fit.profile)`` predicts. Layer-mix profiles (windows, SSM layers) are fitted
 with the exact model instead, plus ``ssm`` (``layer_mix.ssm_seconds_per_token``):
 ``dyncp.cost_model.calibration.mix``.
 
@@ -65,7 +66,7 @@ The fit is deterministic: same profile, same measurements in the same order, sam
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 
@@ -73,6 +74,19 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.stats import trim_mean
 
+from dyncp.cost_model.calibration.coefficients import (
+    MAX_BANDWIDTH,
+    apply_coefficients,
+    named_coefficients,
+    profile_coefficients,
+)
+from dyncp.cost_model.calibration.features import (
+    OLD_REGIME_WEIGHT,
+    DenseFeatures,
+    dense_features,
+    natural_scales,
+    predict,
+)
 from dyncp.cost_model.calibration.measurements import (
     CalibrationError,
     Measurement,
@@ -86,7 +100,7 @@ from dyncp.cost_model.calibration.mix import (
     mix_scales,
 )
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.schema import AttentionTable, Profile
+from dyncp.cost_model.schema import Profile
 
 __all__ = [
     "CalibrationError",
@@ -98,207 +112,11 @@ __all__ = [
     "prediction_errors",
 ]
 
-#: Names of the coefficients fitted from micro-batches, in parameter-vector order; then a
-#: (latency, 1 / bandwidth) pair per measured group size.
-PARAMS = ("lin", "att", "seq", "step", "mb")
 #: Relative residual at which the robust losses start to discount a measurement.
 F_SCALE = 0.05
 #: Weight of each coefficient's prior row: a 100% change of a coefficient costs as much as one
 #: measurement 5% off, so data decide wherever they say anything.
 PRIOR_WEIGHT = 0.05
-#: Weight of a measurement from an older regime (before a detected change of the machine):
-#: it informs how cost varies with lengths and CP sizes at half the say of a current one, so
-#: that where the change was not the same factor everywhere, current data decide the shape.
-OLD_REGIME_WEIGHT = 0.5
-#: Largest bandwidth a fit may write (bytes/s): "no measurable transfer cost" stays finite.
-MAX_BANDWIDTH = 1e15
-
-
-# ---------------------------------------------------------------------------------- features
-
-
-@dataclass(frozen=True, slots=True)
-class _Features:
-    """Per-measurement quantities that do not depend on the coefficients being fitted."""
-
-    steps: np.ndarray  # ring steps per layer (c for a ring, r for a head split u x r, 1: none)
-    link: np.ndarray  # index into the fitted group sizes (-1: no ring link)
-    tokens: np.ndarray  # priced tokens per rank
-    attention: np.ndarray  # sum over sequences of the profile's net attention per step
-    sequences: np.ndarray  # weight of the per-sequence cost per step (n, n / c, n / u)
-    rings: np.ndarray  # sequences paying the per-(sequence x ring step) cost (0: no ring)
-    block: np.ndarray  # a ring step's K/V bytes per priced token per rank, / kv_bytes_per_token
-    split: np.ndarray  # index into the fitted head-split sizes u (-1: not split)
-    exchange: np.ndarray  # bytes a rank holds in a layer's head exchanges (forward + backward)
-    measured: np.ndarray
-    regime: np.ndarray  # 0: the current regime; k: k change points back (own free level)
-    weight: np.ndarray  # 1 for the current regime, OLD_REGIME_WEIGHT before
-    n_sizes: int  # ring group sizes fitted (then head-split sizes follow in the parameters)
-
-    def subset(self, keep: np.ndarray) -> _Features:
-        cols = [getattr(self, n)[keep] for n in _Features.__slots__ if n != "n_sizes"]
-        return _Features(*cols, n_sizes=self.n_sizes)
-
-
-def _features(
-    model: CostModel,
-    ms: Sequence[Measurement],
-    sizes: list[int],
-    regimes: np.ndarray,
-    heads: Sequence[int] = (),
-) -> _Features:
-    n = len(ms)
-    cols = {
-        k: np.zeros(n)
-        for k in ("steps", "tokens", "attention", "sequences", "rings", "block", "exchange")
-    }
-    link = np.full(n, -1, dtype=np.int64)
-    split = np.full(n, -1, dtype=np.int64)
-    index = {c: j for j, c in enumerate(sizes)}
-    head_index = {u: j for j, u in enumerate(heads)}
-    shape = model.profile.model
-    for i, m in enumerate(ms):
-        p = model.priced(m.cp, np.asarray(m.lengths)).astype(np.float64)
-        cols["tokens"][i] = p.sum() / m.cp
-        cols["block"][i] = 1.0
-        if m.heads > 1:
-            ring = m.cp // m.heads
-            held = max(shape.num_kv_heads, m.heads)
-            cols["steps"][i] = ring
-            cols["attention"][i] = model._net_attention(p / ring).sum() / m.heads
-            cols["sequences"][i] = len(p) / m.heads
-            cols["block"][i] = held / shape.num_kv_heads
-            bytes_per_token = (2 * shape.num_heads + 2 * held) * shape.head_dim * shape.dtype_bytes
-            cols["exchange"][i] = 2.0 * bytes_per_token * cols["tokens"][i]
-            split[i] = head_index[m.heads]
-            if ring > 1:
-                link[i] = index[m.cp]
-                cols["rings"][i] = len(p)
-        elif model.all_to_all and m.cp > 1:
-            cols["steps"][i] = 1
-            cols["attention"][i] = model._net_attention(p).sum() / m.cp
-            cols["sequences"][i] = len(p) / m.cp
-            link[i] = index[m.cp]
-        else:
-            cols["steps"][i] = m.cp
-            cols["attention"][i] = model._net_attention(p / m.cp).sum()
-            cols["sequences"][i] = len(p)
-            if m.cp > 1:
-                link[i] = index[m.cp]
-                cols["rings"][i] = len(p)
-    return _Features(
-        **cols,
-        link=link,
-        split=split,
-        measured=np.array([m.seconds for m in ms], dtype=np.float64),
-        regime=regimes,
-        weight=np.where(regimes == 0, 1.0, OLD_REGIME_WEIGHT),
-        n_sizes=len(sizes),
-    )
-
-
-def _coefficients(model: CostModel, sizes: Sequence[int], heads: Sequence[int] = ()) -> np.ndarray:
-    """The profile's values of ``PARAMS``, then (latency, 1/bandwidth) per ring group size, then
-    (exchange latency, 1/exchange bandwidth, attention scale) per head-split size u, then
-    ``ring`` (last; not for a layer mix)."""
-    links = []
-    for c in sizes:
-        latency, bandwidth = model.link(c)
-        links += [latency, 1.0 / bandwidth]
-    for u in heads:
-        latency, bandwidth = model.all_to_all_link(u)
-        links += [latency, 1.0 / bandwidth, model.head_scale(u)]
-    # A layer mix never has a ring term (the schema refuses one): its layout has no ``ring``.
-    ring = [model.ring_sequence] if model.profile.layer_mix is None else []
-    return np.array(
-        [model.lin, 1.0, model.per_sequence, model.k, model.microbatch_overhead, *links, *ring]
-    )
-
-
-def _predict(theta: np.ndarray, f: _Features, model: CostModel, overlap: bool) -> np.ndarray:
-    """CostModel's micro-batch seconds written in the coefficients ``theta`` (same formulas,
-    vectorised; the parameter layout is ``_coefficients``')."""
-    if isinstance(f, MixFeatures):  # a layer mix: the exact model prices it
-        return f.predict(theta, overlap)
-    lin, att, seq, k, mb = theta[:5]
-    rest = theta[5:-1]
-    n_sizes = f.n_sizes
-    lat_all, ibw_all = rest[: 2 * n_sizes : 2], rest[1 : 2 * n_sizes : 2]
-    heads = rest[2 * n_sizes :]
-    a2a_lat, a2a_ibw, scale_all = heads[0::3], heads[1::3], heads[2::3]
-    split = f.split >= 0
-    h = np.where(split, f.split, 0)
-    scale = np.where(split, scale_all[h] if len(scale_all) else 1.0, 1.0)
-    step = scale * (att * f.attention + seq * f.sequences) + theta[-1] * f.rings + k
-    total = lin * f.tokens + mb
-    ring = f.link >= 0
-    j = np.where(ring, f.link, 0)
-    lat = np.where(ring, lat_all[j] if len(lat_all) else 0.0, 0.0)
-    block = np.where(
-        ring, model.kvb * f.block * f.tokens * (ibw_all[j] if len(ibw_all) else 0.0), 0.0
-    )
-    exchange = np.where(
-        split,
-        4.0 * (a2a_lat[h] if len(a2a_lat) else 0.0)
-        + f.exchange * (a2a_ibw[h] if len(a2a_ibw) else 0.0),
-        0.0,
-    )
-    c = f.steps
-    if model.all_to_all:
-        layer = step + lat + block
-    else:
-        comm_f = lat + block
-        bwd = model.bwd_bytes
-        comm_b = lat + bwd * block
-        home = lat + max(bwd - 1.0, 0.0) * block
-        if overlap:
-            comp_f = step * model.fwd_fraction
-            layer = (
-                step
-                + (c - 1) * (np.maximum(comp_f, comm_f) + np.maximum(step - comp_f, comm_b))
-                + home
-            )
-        else:
-            layer = c * step + (c - 1) * (comm_f + comm_b) + home
-    layer = np.where(ring, layer, step)
-    return total + model.layers * (layer + exchange)
-
-
-def _scales(
-    f: _Features, model: CostModel, sizes: list[int], heads: Sequence[int] = ()
-) -> np.ndarray:
-    """Natural magnitude of each coefficient: the value at which its term alone would explain
-    the median measurement.
-
-    The solver works in these units, whatever the profile's values: a coefficient profiled at
-    0, or at 1e-17 s against a true millisecond, moves as freely as any other (scaling by the
-    current value would freeze a tiny one: every step it may take is tiny too).
-    """
-    med = float(np.median(f.measured))
-    L = model.layers
-    usage = [
-        float(np.median(f.tokens)),
-        1.0,
-        float(np.median(L * f.steps * f.sequences)),
-        float(np.median(L * f.steps)),
-        1.0,
-    ]
-    for j, size in enumerate(sizes):
-        sel = f.link == j
-        hops = L * (2 * size - 1) if not model.all_to_all else L
-        tokens = float(np.median(f.tokens[sel] * f.block[sel])) if sel.any() else 1.0
-        usage += [hops, hops * model.kvb * tokens]
-    relative = []
-    for j, _ in enumerate(heads):
-        sel = f.split == j
-        usage += [4.0 * L, L * (float(np.median(f.exchange[sel])) if sel.any() else 1.0), 1.0]
-        relative.append(len(usage) - 1)
-    rings = f.rings > 0
-    usage.append(float(np.median(L * f.steps[rings] * f.rings[rings])) if rings.any() else 1.0)
-    out = np.array([med / max(u, 1e-300) for u in usage])
-    out[1] = 1.0  # the attention scale is already relative
-    out[relative] = 1.0  # and so are the head-split scales
-    return out
 
 
 # ---------------------------------------------------------------------------------- results
@@ -397,7 +215,7 @@ def holdout_error(
 
 
 def _solve(
-    f: _Features,
+    f: DenseFeatures,
     model: CostModel,
     theta0: np.ndarray,
     scale: np.ndarray,
@@ -419,7 +237,7 @@ def _solve(
     old = f.regime > 0
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        pred = _predict(x[:n_coef] * scale, f, model, overlap)
+        pred = predict(x[:n_coef] * scale, f, model, overlap)
         r = np.log(np.maximum(pred, 1e-300)) - log_measured
         if n_old:
             r = r + np.where(old, x[n_coef:][level_index], 0.0)
@@ -448,9 +266,9 @@ def _solve(
 
 
 def _log_residuals(
-    theta: np.ndarray, levels: np.ndarray, f: _Features, model: CostModel, overlap: bool
+    theta: np.ndarray, levels: np.ndarray, f: DenseFeatures, model: CostModel, overlap: bool
 ) -> np.ndarray:
-    r = np.log(np.maximum(_predict(theta, f, model, overlap), 1e-300)) - np.log(f.measured)
+    r = np.log(np.maximum(predict(theta, f, model, overlap), 1e-300)) - np.log(f.measured)
     if len(levels):
         r = r + np.where(f.regime > 0, levels[np.maximum(f.regime - 1, 0)], 0.0)
     return r
@@ -523,23 +341,23 @@ def fit_profile(
             model.head_split(cp, u)
     except ValueError as exc:
         raise CalibrationError(f"a measurement the profile cannot price: {exc}") from None
-    f: _Features | MixFeatures
+    f: DenseFeatures | MixFeatures
     if is_mix:
         weight = np.where(reg == 0, 1.0, OLD_REGIME_WEIGHT)
         f = MixFeatures(profile, ms, sizes, ranks_per_node, reg, weight)
         theta0 = mix_coefficients(model, sizes)
         scale = mix_scales(f, model)
     else:
-        f = _features(model, ms, sizes, reg, heads)
+        f = dense_features(model, ms, sizes, reg, heads)
         if not (profile.attention.tiles is not None or model.ring_sequence > 0):
             f = replace(f, rings=np.zeros(len(ms)))  # ``ring`` kept as profiled
-        theta0 = _coefficients(model, sizes, heads)
-        scale = _scales(f, model, sizes, heads)
+        theta0 = profile_coefficients(model, sizes, heads)
+        scale = natural_scales(f, model, sizes, heads)
     # Each older regime starts at its median log ratio to the profile (its level then moves).
     levels0 = np.zeros(len(present))
     for k in range(1, len(present) + 1):
         sel = reg == k
-        pred = _predict(theta0, f.subset(sel), model, model.overlap)
+        pred = predict(theta0, f.subset(sel), model, model.overlap)
         levels0[k - 1] = float(np.median(np.log(f.measured[sel]) - np.log(pred)))
 
     def fit(overlap: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
@@ -596,7 +414,7 @@ def fit_profile(
     if is_mix:
         new = mix_profile(profile, theta, sizes, model, overlap, wave)
     else:
-        new = _apply(profile, theta, wave, sizes, model, overlap, heads)
+        new = apply_coefficients(profile, theta, wave, sizes, model, overlap, heads)
     new_model = CostModel(new, ranks_per_node)
     inliers = [m for m, k, g in zip(ms, keep, reg) if k and g == 0]
     before = float(np.mean(np.abs(prediction_errors(model, inliers)))) if inliers else 0.0
@@ -611,9 +429,9 @@ def fit_profile(
     )
     return CalibrationResult(
         profile=new,
-        coefficients_before=_named(theta0, sizes, heads, is_mix)
+        coefficients_before=named_coefficients(theta0, sizes, heads, is_mix)
         | {"wave": profile.overheads.wave_seconds},
-        coefficients_after=_named(theta, sizes, heads, is_mix) | {"wave": wave},
+        coefficients_after=named_coefficients(theta, sizes, heads, is_mix) | {"wave": wave},
         error_before=before,
         error_after=after,
         measurements=len(ms),
@@ -624,111 +442,6 @@ def fit_profile(
         holdout=held,
         noise=spread,
     )
-
-
-def _named(
-    theta: np.ndarray, sizes: Sequence[int], heads: Sequence[int] = (), mix: bool = False
-) -> dict[str, float]:
-    out = dict(zip(PARAMS, theta[:5].tolist()))
-    out["ssm" if mix else "ring"] = float(theta[-1])
-    for j, c in enumerate(sizes):
-        out[f"latency_{c}"] = float(theta[5 + 2 * j])
-        out[f"inverse_bandwidth_{c}"] = float(theta[6 + 2 * j])
-    base = 5 + 2 * len(sizes)
-    for j, u in enumerate(heads):
-        out[f"exchange_latency_{u}"] = float(theta[base + 3 * j])
-        out[f"exchange_inverse_bandwidth_{u}"] = float(theta[base + 3 * j + 1])
-        out[f"head_scale_{u}"] = float(theta[base + 3 * j + 2])
-    return out
-
-
-#: Group sizes a calibrated profile lists links for, besides the measured ones: every power of
-#: two up to this (the link rule takes the next larger size listed, so all groups are covered).
-LINK_SIZES_UP_TO = 1 << 16
-
-
-def _apply(
-    profile: Profile,
-    theta: np.ndarray,
-    wave: float,
-    sizes: Sequence[int],
-    model: CostModel,
-    overlap: bool | None = None,
-    heads: Sequence[int] = (),
-) -> Profile:
-    """A copy of ``profile`` with the fitted coefficients written into its fields.
-
-    Fitted links go to ``communication.links`` by group size; sizes not measured keep the link
-    the profile gave them at this node size (``model.link``), so a calibrated profile lists a
-    link for every power of two up to ``LINK_SIZES_UP_TO`` and is specific to that node size.
-    Fitted head splits go to ``communication.all_to_all_links`` (the same way: every power of
-    two listed, unmeasured sizes at ``model.all_to_all_link``) and ``attention.head_scales``.
-    """
-    lin, att, seq, k, mb = (float(v) for v in theta[:5])
-    data = profile.model_dump(mode="json")
-    data["linear_seconds_per_token"] = lin
-    a = data["attention"]
-    old = profile.attention
-    if isinstance(old, AttentionTable):
-        net = np.asarray(old.seconds) - old.step_overhead_seconds - old.sequence_overhead_seconds
-        a["seconds"] = (att * net + k + seq).tolist()
-    else:
-        a["alpha"], a["beta"] = att * old.alpha, att * old.beta
-    a["step_overhead_seconds"], a["sequence_overhead_seconds"] = k, seq
-    if profile.layer_mix is None:  # a mix's layout ends with ``ssm``, and has no ring term
-        a["ring_sequence_step_seconds"] = float(theta[-1])
-    fitted = {c: (float(theta[5 + 2 * j]), float(theta[6 + 2 * j])) for j, c in enumerate(sizes)}
-    if fitted:
-        comm = data["communication"]
-        comm["links"] = _link_table(comm["links"], fitted, model.link)
-    base = 5 + 2 * len(sizes)
-    exchanges = {
-        u: (float(theta[base + 3 * j]), float(theta[base + 3 * j + 1])) for j, u in enumerate(heads)
-    }
-    if exchanges:
-        comm = data["communication"]
-        comm["all_to_all_links"] = _link_table(
-            comm["all_to_all_links"], exchanges, model.all_to_all_link, skip_unpriced=True
-        )
-        scales = {h["heads"]: h["scale"] for h in a.get("head_scales", [])}
-        scales |= {u: float(theta[base + 3 * j + 2]) for j, u in enumerate(heads)}
-        a["head_scales"] = [{"heads": u, "scale": s} for u, s in sorted(scales.items())]
-    if overlap is not None:
-        data["communication"]["overlap"] = overlap
-    data["overheads"] = {"microbatch_seconds": mb, "wave_seconds": wave}
-    return Profile.model_validate(data)
-
-
-def _link_table(
-    listed: list[dict],
-    fitted: dict[int, tuple[float, float]],
-    priced: Callable[[int], tuple[float, float]],
-    *,
-    skip_unpriced: bool = False,
-) -> list[dict]:
-    """A profile's link table after a refit: every size it listed, every power of two up to
-    ``LINK_SIZES_UP_TO`` and every fitted size. A fitted size takes its fit (latency, inverse
-    bandwidth); another keeps what the current model prices. With ``skip_unpriced`` a size the
-    model cannot price (``ValueError``: an all-to-all size the profile never priced) stays out;
-    without it the error propagates, as a refit failure."""
-    sizes = {link["group_size"] for link in listed}
-    powers = {1 << e for e in range(1, LINK_SIZES_UP_TO.bit_length())}
-    table = []
-    for c in sorted(sizes | powers | set(fitted)):
-        if c in fitted:
-            latency, inverse = fitted[c]
-            bandwidth = min(1.0 / inverse, MAX_BANDWIDTH)
-        else:
-            try:
-                latency, bandwidth = priced(c)
-            except ValueError:
-                if not skip_unpriced:
-                    raise
-                continue
-        table.append(
-            {"group_size": c, "latency_seconds": latency, "bandwidth_bytes_per_second": bandwidth}
-        )
-    return table
 
 
 def _with_provenance(

@@ -2,11 +2,12 @@
 
 A layer mix's price (``dyncp.cost_model.layer_mix``) adds window and SSM terms whose
 communication hops depend on the pack, so it is not written out in coefficients as the dense
-formula is (``calibrate._predict``). Instead each evaluation builds the profile the coefficients
-describe (``calibrate._apply``) and prices the measurements with ``LayerMixCostModel`` itself,
-vectorised per CP size (``packs_seconds``): slower per evaluation than the dense path (a
-profile validation and one call per CP size, about a millisecond), exact by construction, and
-with the same robust passes, regimes and natural scaling (``calibrate.fit_profile``).
+formula is (``features.predict``). Instead each evaluation builds the profile the coefficients
+describe (``coefficients.apply_coefficients``) and prices the measurements with
+``LayerMixCostModel`` itself, vectorised per CP size (``packs_seconds``): slower per evaluation
+than the dense path (a profile validation and one call per CP size, about a millisecond), exact
+by construction, and with the same robust passes, regimes and natural scaling
+(``fit.fit_profile``).
 
 Coefficients: the dense ones (``lin``, ``att`` scaling the attention table that full and window
 layers share, ``seq``, ``step``, ``mb``, each measured ring size's latency and 1 / bandwidth),
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dyncp.cost_model.calibration.coefficients import apply_coefficients, profile_coefficients
 from dyncp.cost_model.calibration.measurements import Measurement
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile
@@ -27,7 +29,7 @@ __all__ = ["MixFeatures", "mix_coefficients", "mix_profile", "mix_scales"]
 
 
 class MixFeatures:
-    """What ``calibrate._predict`` and the robust passes need, for a layer-mix profile."""
+    """What ``features.predict`` and the robust passes need, for a layer-mix profile."""
 
     def __init__(
         self,
@@ -85,16 +87,15 @@ class MixFeatures:
 
 
 def mix_coefficients(model: CostModel, sizes: Sequence[int]) -> np.ndarray:
-    """The dense coefficients (``calibrate._coefficients``) then ``ssm_seconds_per_token``."""
-    from dyncp.cost_model.calibration.fit import _coefficients
-
+    """The dense coefficients (``coefficients.profile_coefficients``) then
+    ``ssm_seconds_per_token``."""
     mix = model.profile.layer_mix
     assert mix is not None
-    return np.append(_coefficients(model, sizes), mix.ssm_seconds_per_token)
+    return np.append(profile_coefficients(model, sizes), mix.ssm_seconds_per_token)
 
 
 def mix_scales(f: MixFeatures, model: CostModel) -> np.ndarray:
-    """Natural magnitude of each coefficient (see ``calibrate._scales``)."""
+    """Natural magnitude of each coefficient (see ``features.natural_scales``)."""
     med = float(np.median(f.measured))
     mix = model.profile.layer_mix
     assert mix is not None
@@ -128,10 +129,8 @@ def mix_profile(
     wave: float | None = None,
 ) -> Profile:
     """``profile`` with the coefficients ``theta`` (``mix_coefficients``' layout) written in."""
-    from dyncp.cost_model.calibration.fit import _apply
-
     wave = profile.overheads.wave_seconds if wave is None else wave
-    new = _apply(profile, theta[:-1], wave, sizes, model, overlap)
+    new = apply_coefficients(profile, theta[:-1], wave, sizes, model, overlap)
     mix = new.layer_mix
     assert mix is not None
     return new.model_copy(

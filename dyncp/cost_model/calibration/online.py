@@ -31,24 +31,16 @@ Torch-free.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
+from dyncp.cost_model.calibration.change import change_point, shifted_window
 from dyncp.cost_model.calibration.fit import CalibrationResult, fit_profile
-from dyncp.cost_model.calibration.level import (
-    biweight_location,
-    biweight_shift,
-    regime_level,
-    scaled_profile,
-)
+from dyncp.cost_model.calibration.level import regime_level, scaled_profile
 from dyncp.cost_model.calibration.measurements import (
     BufferedMeasurement,
     CalibrationError,
@@ -56,8 +48,13 @@ from dyncp.cost_model.calibration.measurements import (
     MeasurementBuffer,
     WaveMeasurement,
 )
-from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.schema import Profile, ProfileError
+from dyncp.cost_model.calibration.records import (
+    MeasurementRecord,
+    ModelVersion,
+    decode_measurements,
+    encode_measurements,
+)
+from dyncp.cost_model.schema import Profile
 
 __all__ = [
     "MeasurementRecord",
@@ -67,25 +64,10 @@ __all__ = [
     "encode_measurements",
 ]
 
-#: Largest encoded measurement record a reader accepts (bytes): bounded memory per record.
-MAX_RECORD_BYTES = 4 << 20
-#: Plausibility limits on a decoded measurement (a record is refused beyond them).
-MAX_CP, MAX_LENGTH, MAX_SECONDS = 1 << 20, 1 << 31, 1e6
 #: A micro-batch measured more than this factor away from the current model's prediction is
 #: refused: no refit of the profile's coefficients should be dragged that far by one record (a
 #: profile that far off is re-profiled, not calibrated).
 MAX_RATIO = 1e3
-#: Change detection: the newest steps compared, the smallest shift (log) acted upon, and the
-#: standard errors it must exceed.
-CHANGE_WINDOWS, CHANGE_MIN, CHANGE_Z = (2, 4), math.log(1.05), 4.0
-#: The windows with ``follow="level"``: an 8-step window sees a 1.4x change through sigma-0.3
-#: noise with 20% stragglers where 2 and 4 steps may not (4 standard errors of a median of 32
-#: measurements are about 0.36 in log there, above log 1.4 = 0.34).
-LEVEL_WINDOWS = (2, 4, 8)
-#: With ``follow="level"``, the fewest older measurements of a kind its new ones are compared
-#: with; the error of their median is counted in the test (with 4 of a kind, at the start of a
-#: run, a test that left it out saw changes that were not there).
-LEVEL_MIN_REFERENCE = 16
 #: Fewest held-out measurements a candidate is judged on.
 MIN_HOLDOUT = 4
 #: How a detected change is followed (``OnlineCalibrator(follow=...)``).
@@ -95,141 +77,6 @@ FOLLOWS = ("level", "regimes")
 FOLLOW_STEPS, FOLLOW_MIN = 8, 0.01
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelVersion:
-    """A cost-model profile and its version number (0: the profile the job started with)."""
-
-    version: int
-    profile: Profile
-
-    @property
-    def tag(self) -> str:
-        return f"v{self.version}"
-
-    @property
-    def digest(self) -> str:
-        """Short content hash: two processes holding the same version hold the same numbers."""
-        return hashlib.blake2b(self.profile.to_json().encode(), digest_size=8).hexdigest()
-
-    def model(self, ranks_per_node: int) -> CostModel:
-        return CostModel(self.profile, ranks_per_node)
-
-    def to_json(self) -> str:
-        return json.dumps({"version": self.version, "profile": json.loads(self.profile.to_json())})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ModelVersion:
-        """Decode; any malformed input raises ProfileError (never another exception)."""
-        try:
-            data = json.loads(text)
-            version = data["version"]
-            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise ValueError(f"version must be an integer >= 0, got {version!r}")
-            return cls(version, Profile.model_validate(data["profile"]))
-        except ProfileError:
-            raise
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            raise ProfileError(f"not a model version record: {exc}") from None
-
-
-# ---------------------------------------------------------------------------------- records
-
-
-class MeasurementRecord(NamedTuple):
-    """One decoded step: its number, the micro-batches and waves that passed, and how many
-    entries were refused (each one alone: the rest of the step is kept)."""
-
-    step: int
-    microbatches: list[Measurement]
-    waves: list[WaveMeasurement]
-    refused: int
-
-
-def encode_measurements(
-    step: int, microbatches: Sequence[Measurement], waves: Sequence[WaveMeasurement] = ()
-) -> bytes:
-    """A compact JSON record of one step's measurements (what travels through the Store).
-
-    A micro-batch is ``[cp, lengths, seconds]``, or ``[cp, lengths, seconds, heads]`` when its
-    group split heads.
-    """
-    return json.dumps(
-        {
-            "step": int(step),
-            "mb": [
-                [m.cp, list(m.lengths), m.seconds, *([m.heads] if m.heads != 1 else [])]
-                for m in microbatches
-            ],
-            "waves": [[w.seconds, w.busy_seconds] for w in waves],
-        },
-        separators=(",", ":"),
-    ).encode()
-
-
-def _decode_microbatch(item: object) -> Measurement:
-    if not isinstance(item, list) or len(item) not in (3, 4):
-        raise TypeError(f"a micro-batch is [cp, lengths, seconds(, heads)], got {item!r:.80}")
-    cp, lengths, seconds, *rest = item
-    heads = rest[0] if rest else 1
-    for name, value in (("cp", cp), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer, got {value!r:.40}")
-    if not isinstance(lengths, list) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in lengths
-    ):
-        raise TypeError("lengths must be a list of integers")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"seconds must be a number, got {seconds!r:.40}")
-    if cp > MAX_CP or any(s > MAX_LENGTH for s in lengths) or not seconds <= MAX_SECONDS:
-        raise ValueError(
-            f"a measurement beyond what any job runs (cp <= {MAX_CP}, lengths <= "
-            f"{MAX_LENGTH}, seconds <= {MAX_SECONDS})"
-        )
-    return Measurement(cp, tuple(lengths), float(seconds), heads)
-
-
-def decode_measurements(raw: bytes) -> MeasurementRecord:
-    """Inverse of :func:`encode_measurements`.
-
-    Total on arbitrary bytes (the Store is writable by whoever reaches it): a record that is not
-    one (not JSON, not an object, no step, wrong types, deep nesting) raises CalibrationError; a
-    malformed or implausible micro-batch or wave inside a valid record is refused alone and
-    counted in ``refused``, so one bad entry does not cost its step's other measurements.
-    """
-    if len(raw) > MAX_RECORD_BYTES:
-        raise CalibrationError(f"measurement record of {len(raw)} bytes (max {MAX_RECORD_BYTES})")
-    try:
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise TypeError(f"a record is a JSON object, got {type(data).__name__}")
-        step = data["step"]
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an integer, got {step!r}")
-        items, wave_items = data["mb"], data["waves"]
-        if not isinstance(items, list) or not isinstance(wave_items, list):
-            raise TypeError("mb and waves must be lists")
-    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
-        raise CalibrationError(f"malformed measurement record: {exc}") from None
-    mbs: list[Measurement] = []
-    waves: list[WaveMeasurement] = []
-    refused = 0
-    for item in items:
-        try:
-            mbs.append(_decode_microbatch(item))
-        except (ValueError, TypeError, OverflowError):  # CalibrationError is a ValueError
-            refused += 1
-    for item in wave_items:
-        try:
-            if not isinstance(item, list) or len(item) != 2:
-                raise TypeError("a wave is [seconds, busy_seconds]")
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in item):
-                raise TypeError("wave seconds must be numbers")
-            waves.append(WaveMeasurement(float(item[0]), float(item[1])))
-        except (ValueError, TypeError, OverflowError):
-            refused += 1
-    return MeasurementRecord(step, mbs, waves, refused)
 
 
 # ---------------------------------------------------------------------------------- calibrator
@@ -489,85 +336,30 @@ class OnlineCalibrator:
         residuals = self._residuals(entries) - np.array([d for d in shift if d is not None])
         keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
         steps = np.array([e.step for e in entries])
-        for window in LEVEL_WINDOWS if self.follow == "level" else CHANGE_WINDOWS:
-            new = steps > self.steps - window
-            old = ~new
-            if new.sum() < 8 or old.sum() < 16:
-                continue
-            r_old, k_old = residuals[old], keys[old]
-            diffs: list[float] = []
-            centred: list[float] = []
-            variance = 0.0  # of the per-kind medians the new residuals are centred on
-            fewest = LEVEL_MIN_REFERENCE if self.follow == "level" else 4
-            for key in sorted(set(k_old.tolist())):
-                ref = r_old[k_old == key]
-                if len(ref) >= fewest:
-                    fresh = residuals[new & (keys == key)]
-                    diffs += (fresh - np.median(ref)).tolist()
-                    centred += (ref - np.median(ref)).tolist()
-                    variance += len(fresh) ** 2 * 1.5708 / len(ref)
-            if len(diffs) < 8:
-                continue
-            if self.follow == "level":  # biweight locations, the spread within each kind
-                variance /= len(diffs) ** 2
-                signed, error = biweight_shift(
-                    np.array(diffs), np.array(centred), reference_variance=variance
-                )
-                shift = abs(signed)
-            else:
-                spread = 1.4826 * float(np.median(np.abs(r_old - np.median(r_old))))
-                error = 1.2533 * spread * math.sqrt(1.0 / len(diffs) + 1.0 / len(r_old))
-                shift = abs(float(np.median(diffs)))
-            if shift > CHANGE_MIN and shift > CHANGE_Z * error:
-                if self.follow == "level":
-                    return self._change_start(window, residuals, keys, steps)
-                return window
-        return 0
+        window = shifted_window(
+            residuals, keys, steps, now=self.steps, level=self.follow == "level"
+        )
+        if window and self.follow == "level":
+            return self._change_start(window, residuals, keys, steps)
+        return window
 
     def _change_start(
         self, window: int, residuals: np.ndarray, keys: np.ndarray, steps: np.ndarray
     ) -> int:
         """How many newest steps belong to the new regime, a change having been seen in the
         newest ``window``: a long window sees a change late, and a short one may see it a step
-        or two after it began. The change point is :meth:`_split` from two steps before the
-        window on."""
-        return self.steps + 1 - self._split(self.steps - window - 1, residuals, keys, steps)
-
-    def _split(self, first: int, residuals: np.ndarray, keys: np.ndarray, steps: np.ndarray) -> int:
-        """The step at which a change began, between ``first`` and now: each step from
-        ``first`` on gets its difference from the reference (the measurements before ``first``,
-        per kind; a biweight location, the stragglers' pull taken off), and the change point
-        is the split of those steps that fits them best (least absolute deviations) as "no
-        shift" before it and one shift (their median) from it on."""
-        ref = steps < first
-        reference = {}
-        centred: list[float] = []
-        for key in np.unique(keys[ref]).tolist():
-            sel = residuals[ref & (keys == key)]
-            if len(sel) >= 4:
-                reference[key] = float(np.median(sel))
-                centred += (sel - reference[key]).tolist()
-        if not reference:
-            return first + 2
-        spread = 1.4826 * float(np.median(np.abs(centred)))
-        base = biweight_location(np.array(centred), spread)
-        shifts: list[float] = []
-        for step in range(first, self.steps + 1):
-            sel = steps == step
-            d = [r - reference[k] for r, k in zip(residuals[sel], keys[sel]) if k in reference]
-            shifts.append(biweight_location(np.array(d), spread) - base if d else 0.0)
-        costs = []
-        for split in range(len(shifts)):
-            after = np.array(shifts[split:])
-            costs.append(
-                float(np.abs(shifts[:split]).sum() + np.abs(after - np.median(after)).sum())
-            )
-        return first + int(np.argmin(costs))
+        or two after it began. The change point is ``change.change_point`` from two steps before
+        the window on."""
+        return (
+            self.steps
+            + 1
+            - change_point(self.steps - window - 1, self.steps, residuals, keys, steps)
+        )
 
     def _relocate(self) -> None:
         """Within ``FOLLOW_STEPS`` of the last change, place its change point again with every
-        step measured since (:meth:`_split` from two steps before it, on the regime it ended
-        and the current one): the first placement saw one or two steps after the change, and
+        step measured since (``change.change_point`` from two steps before it, on the regime it
+        ended and the current one): the first placement saw one or two steps after the change, and
         a step put on the wrong side biases the new level by 1/n of the change."""
         points = self.buffer.change_points
         if not points or self.steps - self._change_step >= FOLLOW_STEPS:
@@ -582,7 +374,7 @@ class OnlineCalibrator:
         entries = [e for e, k in zip(entries, keep) if k]
         residuals = self._residuals(entries)
         keys = np.array([e.measurement.cp * 4096 + e.measurement.heads for e in entries])
-        start = self._split(first, residuals, keys, steps[keep])
+        start = change_point(first, self.steps, residuals, keys, steps[keep])
         if start != points[-1] and start > floor:
             self.buffer.move_change(start)
             self._change_step = start

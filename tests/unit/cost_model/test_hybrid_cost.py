@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from json_close import assert_json_close
 
 from dyncp.cost_model.calibration.fit import Measurement, fit_profile
+from dyncp.cost_model.distca import fit_all_to_all
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.protocol import CostModelProtocol
 from dyncp.cost_model.reference import (
     INTER_NODE_BW,
     INTER_NODE_LATENCY,
     build_reference_profile,
-    fit_all_to_all,
 )
 from dyncp.cost_model.schema import Profile, ProfileError, load_profile
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from json_close import assert_json_close
 
+from dyncp.cost_model.distca import fit_attention
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.reference import (
     BWD_FWD_RATIO,
     GEMM_FLOPS,
     build_reference_profile,
     coverage_warnings,
-    fit_attention,
     main,
 )
 from dyncp.cost_model.schema import load_profile

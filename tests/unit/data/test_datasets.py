@@ -207,7 +207,7 @@ def test_bundled_samples(name: str) -> None:
     arr = load_lengths(resolve_dataset(name))
     assert arr.dtype == np.int64 and arr.shape == (20_000,)
     assert (arr > 0).all()
-    assert Path(BUNDLED[name]).parent.parts[-3:] == ("dyncp", "sim", "data")
+    assert Path(BUNDLED[name]).parent.parts[-3:] == ("dyncp", "data", "samples")
 
 
 def test_resolve_dataset(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from dyncp.plan.menu import (
     pool_count,
 )
 from dyncp.planner import Planner
-from dyncp.planner.packing import place_waves
+from dyncp.planner.construction.packing import place_waves
 from dyncp.planner.planner import nested_core
 
 

@@ -1,4 +1,5 @@
-"""The lower bound (dyncp.planner.bound) is never above the predicted seconds of any valid plan.
+"""The lower bound (dyncp.planner.bounds.closed_form) is never above the predicted seconds of any
+valid plan.
 
 Checked under two cost models -- the bundled table-form ``h100-reference`` profile (communication
 overlapped) and a quadratic-form profile built here (communication not overlapped) -- against the
@@ -20,7 +21,7 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
-from dyncp.planner.bound import lower_bound, min_cp_sizes
+from dyncp.planner import lower_bound, min_cp_sizes
 from dyncp.planner.planner import POLICIES, Planner
 
 # Relative slack for float round-off only: the bound may be tight (one sequence alone).

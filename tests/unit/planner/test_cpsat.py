@@ -24,10 +24,10 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import StepPlan, Topology
-from dyncp.planner.assignment import Assignment
-from dyncp.planner.bound import lower_bound, min_cp_sizes
-from dyncp.planner.cpsat import US, CpSatImprover, CpSatResult
-from dyncp.planner.greedy import GreedyConstructor
+from dyncp.planner import lower_bound, min_cp_sizes
+from dyncp.planner.construction.assignment import Assignment
+from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.improvement.cpsat import US, CpSatImprover, CpSatResult
 from dyncp.planner.planner import Planner
 
 # Statuses a solve may end with (CpSatResult's docstring); the planner adds REJECTED.
@@ -450,7 +450,7 @@ def test_solver_exception_keeps_greedy_plan(
     solver = plan.stats["solver"]
     assert solver["status"].startswith("ERROR") and "solver exploded" in solver["status"]
     assert solver["objective_seconds"] is None
-    errors = [r for r in caplog.records if r.name == "dyncp.planner.cpsat"]
+    errors = [r for r in caplog.records if r.name == "dyncp.planner.improvement.cpsat"]
     assert errors and errors[0].levelno == logging.ERROR
     assert errors[0].exc_info is not None and "solver exploded" in str(errors[0].exc_info[1])
 
@@ -473,7 +473,7 @@ def test_solver_without_solution_keeps_greedy_plan(
         assert plan.stats["solver"]["status"] == status
         assert plan.stats["solver"]["objective_seconds"] is None
     assert dict(planner.solver_status_counts) == {status: 2}
-    warned = [r for r in caplog.records if r.name == "dyncp.planner.cpsat"]
+    warned = [r for r in caplog.records if r.name == "dyncp.planner.improvement.cpsat"]
     if status == "UNKNOWN":  # an ordinary timeout is not worth a warning
         assert not warned
     else:

@@ -17,7 +17,7 @@ import pytest
 from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology, plan_digest
-from dyncp.planner.dataflow import relayout
+from dyncp.planner.construction.dataflow import relayout
 from dyncp.planner.planner import POLICIES, Planner
 
 REL = 1e-12

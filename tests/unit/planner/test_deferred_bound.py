@@ -1,6 +1,6 @@
-"""Bounds off the critical path (``Planner(defer_bound=...)``, ``dyncp.planner.deferred``) and the
-constructor's fast pouring (``GreedyConstructor._pour``), which must build the same plans as the
-plain formulation it replaced."""
+"""Bounds off the critical path (``Planner(defer_bound=...)``, ``dyncp.planner.bounds.deferred``)
+and the constructor's fast pouring (``GreedyConstructor._pour``), which must build the same plans as
+the plain formulation it replaced."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, plan_digest
-from dyncp.planner.deferred import BOUND_KEYS, PENDING, DeferredBounds
-from dyncp.planner.greedy import GreedyConstructor
+from dyncp.planner.bounds.deferred import BOUND_KEYS, PENDING, DeferredBounds
+from dyncp.planner.construction.greedy import GreedyConstructor
 from dyncp.planner.planner import DEFER_BOUND, Planner
 
 MODEL = CostModel.load("h100-reference", ranks_per_node=8)

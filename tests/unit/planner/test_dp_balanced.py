@@ -8,7 +8,7 @@ from planner_helpers import assert_exactly_once
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.dp_balanced import dp_balanced_packs, dp_balanced_plan
+from dyncp.planner.baselines.dp_balanced import dp_balanced_packs, dp_balanced_plan
 from dyncp.planner.planner import POLICIES, Planner
 from dyncp.sim.__main__ import main as sim_main
 

@@ -16,7 +16,7 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.plan import StepPlan, Wave
 from dyncp.planner import Planner
-from dyncp.planner.head_split import SplitEnvelope, choose_splits, layout_histogram
+from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits, layout_histogram
 from dyncp.sim.__main__ import main as sim_main
 
 HEADS = (1, 2, 4, 8)

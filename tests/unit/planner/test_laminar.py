@@ -1,4 +1,5 @@
-"""The layout search of small batches (``dyncp.planner.laminar``) and its place in the planner."""
+"""The layout search of small batches (``dyncp.planner.improvement.laminar``) and its place in the
+planner."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 from dyncp.planner import Planner
-from dyncp.planner.laminar import MAX_SEQUENCES, LaminarImprover
-from dyncp.planner.lp_bound import lp_lower_bound
+from dyncp.planner.bounds.lp_bound import lp_lower_bound
+from dyncp.planner.improvement.laminar import MAX_SEQUENCES, LaminarImprover
 
 PLAIN = "h100-megatron-dcp-gpt-plain"  # micro-batch seconds = fixed + sum of r / c exactly
 

@@ -1,6 +1,6 @@
-"""The tight LP bound (dyncp.planner.lp_bound): valid, never below the closed form, and tighter
-where the closed form ignores what the LP knows (communication that is never hidden, fixed costs
-per micro-batch and per rank, memory).
+"""The tight LP bound (dyncp.planner.bounds.lp_bound): valid, never below the closed form, and
+tighter where the closed form ignores what the LP knows (communication that is never hidden, fixed
+costs per micro-batch and per rank, memory).
 
 Validity is checked like the closed-form bound's (tests/unit/planner/test_bound.py): against random
 valid plans and every policy's plans, under the table-form reference profile (overlapped ring), a
@@ -29,8 +29,8 @@ from test_bound import (
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.bound import lower_bound
-from dyncp.planner.lp_bound import lp_lower_bound
+from dyncp.planner.bounds.closed_form import lower_bound
+from dyncp.planner.bounds.lp_bound import lp_lower_bound
 from dyncp.planner.planner import Planner
 
 ALL_MODELS = (*MODELS, "flexsp")

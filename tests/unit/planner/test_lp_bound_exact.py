@@ -23,12 +23,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_lp_bound import any_model
 
-import dyncp.planner.lp_bound as lp_bound
+import dyncp.planner.bounds.holding as holding
+import dyncp.planner.bounds.lp_bound as lp_bound
 from dyncp.cost_model.evaluate import TIMINGS, time_waves
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
-from dyncp.planner.bound import lower_bound
-from dyncp.planner.lp_bound import MAX_SOLVES, lp_lower_bound
+from dyncp.planner.bounds.closed_form import lower_bound
+from dyncp.planner.bounds.lp_bound import MAX_SOLVES, lp_lower_bound
 
 REL = 1e-9
 
@@ -309,9 +310,9 @@ def test_dataflow_holding_by_hand() -> None:
     items = [(0, 1, 10.0, 20.0), (1, 1, 5.0, 10.0), (2, 0, 5.0, 5.0), (3, 0, 5.0, 5.0)]
     model = any_model("reference", 4)  # not called: no two of a size share a micro-batch
     lengths = np.asarray([1 << 20] * 4)  # none fits beside another
-    riders = lp_bound._Riders(r, r.min(axis=0))
-    df = lp_bound._held_value(items, riders, model, lengths, tables, timing="dataflow")
-    barrier = lp_bound._held_value(items, riders, model, lengths, tables, timing="barrier")
+    riders = holding._Riders(r, r.min(axis=0))
+    df = holding._held_value(items, riders, model, lengths, tables, timing="dataflow")
+    barrier = holding._held_value(items, riders, model, lengths, tables, timing="barrier")
     assert df + 0.5 == pytest.approx(step.step_seconds, rel=1e-12)
     assert barrier == pytest.approx(15.0, rel=1e-12)
     assert barrier + 0.5 > step.step_seconds
@@ -321,11 +322,11 @@ def test_rigid_makespan_by_hand() -> None:
     """Two ranks: two 4 s tasks of one rank and one of both end at 8 (the last after both);
     three of one rank, 8 (two on one rank). Three ranks: three of one rank and one of all
     three, 8. Four ranks, sizes 3, 3, 2: no two fit side by side, 1 + 2 + 3 s in a row."""
-    assert lp_bound._rigid_makespan([(1, 4.0), (1, 4.0), (2, 4.0)], 2) == 8.0
-    assert lp_bound._rigid_makespan([(1, 4.0), (1, 4.0), (1, 4.0)], 2) == 8.0
-    assert lp_bound._rigid_makespan([(1, 4.0), (1, 4.0), (1, 4.0), (3, 4.0)], 3) == 8.0
+    assert holding._rigid_makespan([(1, 4.0), (1, 4.0), (2, 4.0)], 2) == 8.0
+    assert holding._rigid_makespan([(1, 4.0), (1, 4.0), (1, 4.0)], 2) == 8.0
+    assert holding._rigid_makespan([(1, 4.0), (1, 4.0), (1, 4.0), (3, 4.0)], 3) == 8.0
     # Sizes that cannot sit side by side run one after the other whatever the order.
-    assert lp_bound._rigid_makespan([(3, 1.0), (3, 2.0), (2, 3.0)], 4) == 6.0
+    assert holding._rigid_makespan([(3, 1.0), (3, 2.0), (2, 3.0)], 4) == 6.0
 
 
 @settings(max_examples=150, deadline=None)
@@ -338,7 +339,7 @@ def test_rigid_makespan_is_the_exhaustive_optimum(world: int, tasks: list[tuple[
     by trying every order and every choice of ranks (``dataflow_optimum``'s search)."""
     tasks = [(min(c, world), float(d)) for c, d in tasks]
     exact = rigid_optimum(tuple(tasks), world)
-    assert lp_bound._rigid_makespan(tasks, world) == pytest.approx(exact, rel=1e-12)
+    assert holding._rigid_makespan(tasks, world) == pytest.approx(exact, rel=1e-12)
 
 
 def rigid_optimum(tasks: tuple[tuple[int, float], ...], world: int) -> float:
@@ -412,3 +413,19 @@ def test_random_small_batches_under_both_timings() -> None:
                 lp.seconds,
                 best[timing],
             )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: found by hypothesis on 2026-12-01; with max_solves=6 the dataflow LP bound "
+    "is 1.4e-5 (relative) below the bound with max_solves=1 on this batch",
+)
+def test_more_branching_never_lowers_the_bound_on_the_found_case() -> None:
+    """The counterexample a random draw of test_lp_bound_never_above_the_optimum found: the
+    bound must not fall when the branching budget grows (strict xfail: passes once fixed)."""
+    topo = Topology(world=4, ranks_per_node=2, capacity=100, group_sizes=(1, 2, 4))
+    lengths = np.asarray([400, 90, 153])
+    model = any_model("flexsp", topo.ranks_per_node)
+    one = lp_lower_bound(lengths, topo, model, max_solves=1, timing="dataflow")
+    more = lp_lower_bound(lengths, topo, model, max_solves=MAX_SOLVES, timing="dataflow")
+    assert one.seconds * (1 - REL) <= more.seconds

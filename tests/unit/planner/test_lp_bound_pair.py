@@ -1,5 +1,5 @@
-"""The wave-holding bound of ``dyncp.planner.lp_bound`` (the longest sequences' groups are held
-for their wave's level), on 64-rank batches where it binds and on hand-checkable tables.
+"""The wave-holding bound of ``dyncp.planner.bounds.lp_bound`` (the longest sequences' groups are
+held for their wave's level), on 64-rank batches where it binds and on hand-checkable tables.
 
 The bound must rise above the LP (the wave-holding part is what binds) and stay at or below the
 seconds of a real, validated plan, under each timing (under dataflow the held groups' ranks are
@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dyncp.planner.lp_bound as lp_bound
+import dyncp.planner.bounds.holding as holding
+import dyncp.planner.bounds.lp_bound as lp_bound
 from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.planner import Planner
@@ -57,9 +58,9 @@ def test_more_held_sequences_raise_the_bound_below_a_plan(monkeypatch) -> None:
         assert two.seconds * rise < four[timing].seconds <= seconds[timing]
 
 
-def riders(r: np.ndarray) -> lp_bound._Riders:
+def riders(r: np.ndarray) -> holding._Riders:
     """Knapsacks with no fixed seconds: a sequence outside the held groups costs its least r."""
-    return lp_bound._Riders(r, r.min(axis=0))
+    return holding._Riders(r, r.min(axis=0))
 
 
 def test_three_groups_held_for_one_wave() -> None:
@@ -81,8 +82,8 @@ def test_three_groups_held_for_one_wave() -> None:
     items = [(0, 3, 10.0, 80.0), (1, 2, 6.0, 24.0), (2, 1, 3.0, 6.0)]
     model = CostModel.load("h100-reference", 8)  # not called: the three sizes differ
     lengths = np.ones(4, dtype=np.int64)
-    three = lp_bound._held_value(items, riders(r), model, lengths, tables)
-    two = lp_bound._held_value(items[:2], riders(r), model, lengths, tables)
+    three = holding._held_value(items, riders(r), model, lengths, tables)
+    two = holding._held_value(items[:2], riders(r), model, lengths, tables)
     assert three == pytest.approx(180 / 16, rel=1e-12)
     assert two == pytest.approx(10.0, rel=1e-12)
 
@@ -98,7 +99,7 @@ def test_riders_priced_at_their_own_groups_size() -> None:
     tables = ([1, 2, 4], 6, 64, np.zeros(3), 0.0)
     items = [(0, 2, 10.0, 35.0), (1, 1, 4.0, 19.5)]
     model = CostModel.load("h100-reference", 8)
-    value = lp_bound._held_value(items, riders(r), model, np.ones(3, np.int64), tables)
+    value = holding._held_value(items, riders(r), model, np.ones(3, np.int64), tables)
     assert value == pytest.approx((60 + 1 - 0.75) / 6, rel=1e-12)
 
 
@@ -110,7 +111,7 @@ def test_wave_overheads_of_the_layout_count() -> None:
     tables = ([1, 4, 8], 8, 64, np.zeros(3), 0.5)
     items = [(0, 2, 3.0, 24.0), (1, 1, 2.0, 8.0)]
     model = CostModel.load("h100-reference", 8)  # not called: the sizes differ
-    value = lp_bound._held_value(items, riders(r), model, np.ones(2, np.int64), tables)
+    value = holding._held_value(items, riders(r), model, np.ones(2, np.int64), tables)
     assert value == pytest.approx(3 + 2 + 0.5, rel=1e-12)
 
 
@@ -123,5 +124,5 @@ def test_two_in_one_group_run_one_after_the_other() -> None:
     items = [(0, 1, 3.0, 24.0), (1, 1, 2.0, 16.0)]
     model = CostModel.load("h100-reference", 8)
     lengths = np.asarray([8 * 64, 8 * 64])  # padded, together over 8 x 64 tokens
-    value = lp_bound._held_value(items, riders(r), model, lengths, tables)
+    value = holding._held_value(items, riders(r), model, lengths, tables)
     assert value == pytest.approx(3 + 2, rel=1e-12)

@@ -7,7 +7,7 @@ import pytest
 from planner_helpers import assert_exactly_once
 
 from dyncp.plan import Topology
-from dyncp.planner.megatron_min_cp import megatron_min_cp_plan
+from dyncp.planner.baselines.megatron_min_cp import megatron_min_cp_plan
 
 
 def _groups(plan):

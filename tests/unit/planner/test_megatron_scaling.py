@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from megatron_reference import reference_megatron_plan
 from planner_helpers import topologies
 
-from dyncp.planner.megatron import megatron_plan
+from dyncp.planner.baselines.megatron import megatron_plan
 
 
 @settings(max_examples=150, deadline=None)

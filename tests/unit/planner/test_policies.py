@@ -22,12 +22,12 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import MicroBatch, PlanError, StepPlan, Topology, Wave
-from dyncp.planner.bound import lower_bound, min_cp_sizes
-from dyncp.planner.greedy import GreedyConstructor
-from dyncp.planner.megatron import _form_wave
-from dyncp.planner.packing import lpt, pack_ffd, place_groups
+from dyncp.planner import lower_bound, min_cp_sizes
+from dyncp.planner.baselines.megatron import _form_wave
+from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.construction.packing import lpt, pack_ffd, place_groups
 from dyncp.planner.planner import POLICIES, Planner
-from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 from dyncp.sim.replay import admit, draw_batches
 
 REL = 1e-9
@@ -411,7 +411,7 @@ def test_improver_error_logged_and_plan_kept(caplog: pytest.LogCaptureFixture) -
     def broken(plan: StepPlan, model: CostModel) -> StepPlan:
         raise ValueError("solver exploded")
 
-    with caplog.at_level(logging.WARNING, logger="dyncp.planner.planner"):
+    with caplog.at_level(logging.WARNING, logger="dyncp.planner.stages"):
         plan = make_planner(TOPO, "dyncp", improver=broken).plan(BATCH)
     assert canonical(plan) == canonical(plain_dyncp())
     assert any("solver exploded" in r.getMessage() for r in caplog.records)
@@ -437,7 +437,7 @@ def test_improver_invalid_plan_ignored(caplog: pytest.LogCaptureFixture) -> None
     for improver in (invalid, empty):
         with pytest.raises(PlanError):
             improver(plain_dyncp(), model_for(4)).validate()
-        with caplog.at_level(logging.WARNING, logger="dyncp.planner.planner"):
+        with caplog.at_level(logging.WARNING, logger="dyncp.planner.stages"):
             plan = make_planner(TOPO, "dyncp", improver=improver).plan(BATCH)
         plan.validate()
         assert canonical(plan) == canonical(plain_dyncp())

@@ -1,4 +1,4 @@
-"""The rounding bound (``dyncp.planner.rounding``): per rank the groups fit in one step, so
+"""The rounding bound (``dyncp.planner.bounds.rounding``): per rank the groups fit in one step, so
 any dual-feasible rounding of their shares does too. Hand-checked where it binds, and never
 above the exhaustive dataflow optimum on small batches where it raises the tight bound."""
 
@@ -9,9 +9,9 @@ import pytest
 from test_lp_bound import any_model
 from test_lp_bound_exact import optimum
 
-import dyncp.planner.lp_bound as lp_bound
+import dyncp.planner.bounds.lp_bound as lp_bound
 from dyncp.plan import Topology
-from dyncp.planner.rounding import rounding_bound
+from dyncp.planner.bounds.rounding import rounding_bound
 
 INF = np.inf
 

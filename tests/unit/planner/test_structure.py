@@ -20,11 +20,13 @@ from planner_helpers import assert_exactly_once, topologies
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
-from dyncp.planner.assignment import Assignment
+from dyncp.planner.construction.assignment import Assignment
+from dyncp.planner.construction.fluid import Structure
+from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.construction.local_search import improve
+from dyncp.planner.construction.structure import StructureSearch
+from dyncp.planner.construction.structure_moves import _State
 from dyncp.planner.costs import SequenceCosts
-from dyncp.planner.greedy import GreedyConstructor
-from dyncp.planner.local_search import improve
-from dyncp.planner.structure import Structure, StructureSearch, _State
 
 
 @functools.cache

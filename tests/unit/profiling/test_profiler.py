@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from dyncp.cost_model.fitting import fit_linear, fit_link, fit_quadratic
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import load_profile
-from dyncp.profiling.profile import (
-    MODELS,
-    build_profile,
-    fit_attention,
-    fit_linear,
-    fit_link,
-)
+from dyncp.profiling.decoder import MODELS
+from dyncp.profiling.fits import build_profile
 from dyncp.profiling.profile import (
     main as profile_main,
 )
@@ -27,7 +23,7 @@ from dyncp.profiling.validate import random_pack
 def test_attention_fit_recovers_coefficients() -> None:
     s = np.array([32, 64, 128, 256, 512, 1024, 2048, 4096])
     a, b, k = 3e-9, 2e-7, 4e-4
-    a_, b_, k_, err = fit_attention(s, a * s * s + b * s + k)
+    a_, b_, k_, err = fit_quadratic(s, a * s * s + b * s + k)
     assert a_ == pytest.approx(a, rel=1e-6)
     assert b_ == pytest.approx(b, rel=1e-6)
     assert k_ == pytest.approx(k, rel=1e-6)

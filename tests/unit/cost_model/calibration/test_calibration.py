@@ -16,13 +16,12 @@ from hypothesis import strategies as st
 
 from dyncp.control.model_channel import MeasurementChannel, ModelChannel
 from dyncp.cost_model import CostModel, Profile, ProfileError, load_profile
+from dyncp.cost_model.calibration.coefficients import apply_coefficients, profile_coefficients
 from dyncp.cost_model.calibration.fit import (
     CalibrationError,
     Measurement,
     MeasurementBuffer,
     WaveMeasurement,
-    _apply,
-    _coefficients,
     fit_profile,
 )
 from dyncp.cost_model.calibration.online import (
@@ -57,12 +56,12 @@ def true_profile():
     """The 'machine': 25% slower per-token work, 2x ring latency, 1.7x micro-batch constant,
     0.6x per-sequence cost, a different wave cost."""
     model = CostModel(PROFILE, RPN)
-    theta = _coefficients(model, SIZES).copy()
+    theta = profile_coefficients(model, SIZES).copy()
     theta[0] *= 1.25
     theta[2] *= 0.6
     theta[4] *= 1.7
     theta[5::2] *= 2.0  # ring latency of every group size
-    return _apply(PROFILE, theta, 0.02, SIZES, model)
+    return apply_coefficients(PROFILE, theta, 0.02, SIZES, model)
 
 
 def synthetic_step(rng, truth: CostModel, n: int = 16, noise=0.05, outliers=0.10):

@@ -12,13 +12,12 @@ import pytest
 from bench_modules import load_bench
 
 from dyncp.cost_model import CostModel, load_profile
+from dyncp.cost_model.calibration.coefficients import apply_coefficients, profile_coefficients
 from dyncp.cost_model.calibration.fit import (
     CalibrationError,
     Measurement,
     MeasurementBuffer,
     WaveMeasurement,
-    _apply,
-    _coefficients,
     fit_profile,
 )
 from dyncp.cost_model.calibration.online import OnlineCalibrator, encode_measurements
@@ -49,9 +48,9 @@ def test_a_tiny_coefficient_moves_as_freely_as_a_zero_one():
     base = load_profile("cpu-gloo")
     model = CostModel(base, GLOO.ranks_per_node)
     assert 0 < model.k < 1e-15
-    theta = _coefficients(model, [2, 4])
+    theta = profile_coefficients(model, [2, 4])
     theta[3] = 1e-3
-    truth = CostModel(_apply(base, theta, 0.0, [2, 4], model), GLOO.ranks_per_node)
+    truth = CostModel(apply_coefficients(base, theta, 0.0, [2, 4], model), GLOO.ranks_per_node)
     rng = np.random.default_rng(0)
     ms = [
         m for _ in range(12) for m in cb.measure_step(rng, GLOO, truth, sigma=0.02, stragglers=0.0)
@@ -207,11 +206,11 @@ def split_truth() -> CostModel:
     1.5 ms more latency, and attention of half the heads costing 0.8 x A / 2 (not A / 2)."""
     base = load_profile("cpu-gloo")
     model = CostModel(base, 4)
-    theta = _coefficients(model, [2, 4], [2])
+    theta = profile_coefficients(model, [2, 4], [2])
     theta[9] += 1.5e-3  # u = 2: exchange latency
     theta[10] *= 3.0  # u = 2: 1 / exchange bandwidth
     theta[11] = 0.8  # u = 2: attention scale
-    return CostModel(_apply(base, theta, 0.0, [2, 4], model, heads=[2]), 4)
+    return CostModel(apply_coefficients(base, theta, 0.0, [2, 4], model, heads=[2]), 4)
 
 
 def split_measurements(truth: CostModel, rng, n: int, sigma: float) -> list[Measurement]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dyncp.plan import Group, MicroBatch, StepPlan, Wave
+from dyncp.planner.construction.packing import pack_ffd
 from dyncp.planner.costs import SequenceCosts
-from dyncp.planner.packing import pack_ffd
 
 __all__ = ["Assignment"]
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from dyncp.planner.assignment import Assignment
+from dyncp.planner.construction.assignment import Assignment
 
 __all__ = ["improve"]
 

@@ -1,7 +1,7 @@
 """Layout search for batches of few sequences: CP-SAT chooses the groups, not only the slots.
 
-Why. ``dyncp.planner.cpsat`` re-assigns sequences within the structure the constructor built
-(its waves and groups). On batches of a few long documents (the long-document scenario of
+Why. ``dyncp.planner.improvement.cpsat`` re-assigns sequences within the structure the constructor
+built (its waves and groups). On batches of a few long documents (the long-document scenario of
 ``bench/planner_bench.py``: 16 documents on 64 ranks) the structure is what is left to gain:
 this search run for 15 s finds plans 0.3-2.5% faster than the constructor's on such batches
 (``bench/layout_exact.py --long``), by nesting groups unevenly (two 32-rank groups of different

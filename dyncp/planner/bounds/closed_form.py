@@ -48,28 +48,12 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import Topology
+from dyncp.planner.batch import min_cp_sizes
 
-__all__ = ["lower_bound", "min_cp_sizes"]
+__all__ = ["lower_bound"]
 
 # How many of the longest-running sequences the pair bound looks at (pairs: n*(n-1)/2).
 PAIR_CANDIDATES = 8
-
-
-def min_cp_sizes(lengths: np.ndarray, topology: Topology) -> np.ndarray:
-    """Smallest allowed CP size holding each sequence alone; ValueError naming any that none can."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    out = np.zeros(len(lengths), dtype=np.int64)
-    for cp in reversed(topology.group_sizes):
-        padded = CostModel.padded(cp, lengths)
-        out[padded <= cp * topology.capacity] = cp
-    if (out == 0).any():
-        bad = np.flatnonzero(out == 0)[:10].tolist()
-        raise ValueError(
-            f"sequences {bad} (lengths {lengths[bad].tolist()}) exceed the longest sequence any "
-            f"allowed group holds ({topology.max_length()} tokens: group sizes "
-            f"{list(topology.group_sizes)}, capacity {topology.capacity}); truncate or skip them"
-        )
-    return out
 
 
 def lower_bound(lengths: np.ndarray, topology: Topology, model: CostModel) -> float:

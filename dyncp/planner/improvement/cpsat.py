@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from dyncp.planner.assignment import Assignment
+from dyncp.planner.construction.assignment import Assignment
 
 __all__ = ["CpSatResult", "CpSatImprover"]
 

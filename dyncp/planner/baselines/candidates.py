@@ -29,9 +29,9 @@ import numpy as np
 
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology
-from dyncp.planner.dp_balanced import dp_balanced_plan
-from dyncp.planner.megatron import megatron_plan
-from dyncp.planner.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
+from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
+from dyncp.planner.baselines.megatron import megatron_plan
+from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan, static_cp_size
 
 __all__ = ["BASELINES", "SECONDS_PER_SEQUENCE", "BaselineCandidates"]
 

@@ -16,8 +16,8 @@ import numpy as np
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology, Wave
-from dyncp.planner.bound import min_cp_sizes
-from dyncp.planner.packing import lpt, pack_ffd, place_groups
+from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.construction.packing import lpt, pack_ffd, place_groups
 
 __all__ = ["fixed_cp_plan", "static_cp_size", "batch_adaptive_plan"]
 

@@ -33,8 +33,8 @@ from typing import Protocol
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, Wave, padded_length
-from dyncp.planner.bound import min_cp_sizes
-from dyncp.planner.packing import place_waves
+from dyncp.planner.batch import min_cp_sizes
+from dyncp.planner.construction.packing import place_waves
 
 __all__ = [
     "megatron_plan",

@@ -2,7 +2,7 @@
 rounding of their shares of the step does too.
 
 A plan whose step is S seconds, with T = S - o (o the wave overhead), has, under either timing of
-``dyncp.cost_model.evaluate`` (facts F1 and F2 of ``dyncp.planner.lp_bound``): every rank's
+``dyncp.cost_model.evaluate`` (facts F1 and F2 of ``dyncp.planner.bounds.lp_bound``): every rank's
 groups, run one after another, last at most T together (F2 counts their micro-batches; a group
 lasts at least the sum of its micro-batches). Give sequence i at size c a share x[i, c] of T such
 that the shares of a micro-batch's sequences add up to at most its seconds / T:

@@ -3,8 +3,9 @@
 Megatron-LM's published dynamic-CP measurements (examples/dynamic_context_parallel, June 9, 2026)
 ran the scheduler of commit 959a542a11 (``next_hdp_group`` with ``dcp_make_buckets_equal`` in
 megatron/core/datasets/data_schedule_utils.py), which a later commit (d2e7ec5b88, June 27) replaced
-with the packing-aware greedy that ``dyncp.planner.megatron`` models. This module re-implements the
-earlier one as a baseline (dyncp's own code). Per wave (Megatron: one micro-batch):
+with the packing-aware greedy that ``dyncp.planner.baselines.megatron`` models. This module
+re-implements the earlier one as a baseline (dyncp's own code). Per wave (Megatron: one
+micro-batch):
 
 1. the remaining sequences, longest first, are cut into k consecutive buckets of about equal
    work (k = the number of distinct minimum CP sizes among them; work = len^2 / cp);
@@ -28,7 +29,7 @@ from collections import deque
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology, padded_length
-from dyncp.planner.megatron import plan_wave_by_wave, powers_of_two
+from dyncp.planner.baselines.megatron import plan_wave_by_wave, powers_of_two
 
 __all__ = ["megatron_min_cp_plan", "BALANCE_DELTA", "BUCKET_SLACK"]
 

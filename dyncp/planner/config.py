@@ -1,0 +1,158 @@
+"""PlannerConfig: a planner's options in one frozen, validated record, apart from its cost model.
+
+``Planner(model, world=..., ...)`` builds one from its keywords; ``Planner(model, config=cfg)``
+takes one, and ``planner.config`` gives it back, so a planner with other options is
+``Planner(model, config=dataclasses.replace(planner.config, ...))`` instead of a hand copy of its
+arguments (the plan service's fallback, a new model version). Options are validated here, where
+they can be without the model; what needs the model (its ``ranks_per_node``, the heads its
+profile names, the topology built from both) is checked by ``Planner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dyncp.cost_model.evaluate import check_timing
+from dyncp.cost_model.model import CostModel
+from dyncp.plan import StepPlan
+from dyncp.planner.budget import StepBudget
+from dyncp.planner.improvement.cpsat import CpSatImprover
+
+__all__ = [
+    "ALL_POLICIES",
+    "BOUNDS",
+    "DEFAULT_TIME_LIMIT",
+    "DEFER_BOUND",
+    "HYBRID_POLICY",
+    "Improver",
+    "POLICIES",
+    "PlannerConfig",
+]
+
+#: Policies that run rings only (every group u = 1).
+POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
+#: dyncp with a head split chosen per group (needs ``head_sizes`` beyond 1).
+HYBRID_POLICY = "dyncp-hybrid"
+ALL_POLICIES = (*POLICIES, HYBRID_POLICY)
+BOUNDS = ("tight", "simple")
+DEFER_BOUND = ("auto", "always", "never")
+#: Seconds per step without ``time_limit`` or ``budget``.
+DEFAULT_TIME_LIMIT = 0.1
+
+Improver = Callable[[StepPlan, CostModel], StepPlan]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    """The options of a ``Planner`` (everything but its cost model).
+
+    Args:
+        world, ranks_per_node, capacity: the DP x CP ranks and tokens per rank per micro-batch.
+        policy: one of ``ALL_POLICIES``.
+        max_length: longest admitted document; sets the static policy's CP size (required for
+            ``static`` and ``dp-balanced``).
+        group_sizes: allowed CP sizes (default: powers of two dividing world).
+        time_limit: seconds the dyncp policy may spend per step (deterministic units in
+            deterministic mode); default ``DEFAULT_TIME_LIMIT``. Not with ``budget``.
+        deterministic: reproducible CP-SAT (``dyncp.planner.planner``'s docstring).
+        cpsat: the CP-SAT improver; ``None`` disables it. Default (``"default"``):
+            ``CpSatImprover(deterministic=deterministic)``.
+        min_improve_seconds: CP-SAT runs only when at least this much of ``time_limit`` is left
+            after the greedy (building its model alone takes tens of milliseconds).
+        improver: optional user improvement of the plan (dyncp policy only), same guarantees.
+        bound: ``"tight"`` (LP, reported every step) or ``"simple"`` (closed form: skips the LP,
+            e.g. in the plan service where latency matters more than the report).
+        defer_bound: ``"auto"``, ``"always"`` or ``"never"``: whether the bounds are computed
+            after ``plan()`` returns (``Planner.wait_bound``). Only the tight bound is ever
+            deferred.
+        reserve_seconds: wall time the anytime constructor leaves for validation, the bound and
+            pricing (at most half of ``time_limit``); at least 1.1 x what ran after its deadline
+            in the previous call (pricing, validation, a synchronous bound, the constructor's
+            own overshoot; on the first call an estimate from the batch's size:
+            ``TAIL_SECONDS_PER_SEQUENCE``, plus ``BOUND_SECONDS_PER_SEQUENCE`` when the bound
+            is not deferred), still at most half.
+        head_sizes: allowed head-parallel degrees u of a group (``Topology.head_sizes``). The
+            ``dyncp-hybrid`` policy plans like ``dyncp`` with every group priced at its cheapest
+            split and then gives each group its fastest split
+            (``dyncp.planner.improvement.head_split``); the other policies run rings (u = 1).
+            The lower bound counts the splits whatever the policy, so every policy's gap is
+            against the same bound.
+        query_heads, kv_heads: the model's attention heads (default: the profile's
+            ``model.num_heads`` / ``num_kv_heads`` when the cost model has a profile).
+        timing: the objective (``dyncp.cost_model.evaluate.TIMINGS``): ``"dataflow"``
+            (default: how ``dyncp.runtime.execute`` runs a plan, no barrier between waves) or
+            ``"barrier"`` (the wave-barrier price, kept for comparison). Every candidate, every
+            improvement and the baselines are compared and reported under it, and the tight
+            bound is proven for it (a dataflow bound also bounds barrier plans).
+        budget: plan each step for a share of its predicted seconds instead of a fixed
+            ``time_limit`` (``dyncp.planner.budget``); ``plan(lengths, budget=...)`` overrides
+            it per call.
+        baselines: build the baseline policies' plans as candidates of the dyncp policies
+            (``dyncp.planner.baselines``), so that the plan handed out is never slower than
+            theirs; ``False`` shows what the search alone finds.
+        layout: run the layout search (``dyncp.planner.improvement.laminar``) on batches of at
+            most ``LAYOUT_MAX_SEQUENCES`` sequences, before CP-SAT, with ``LAYOUT_SHARE`` of the
+            time left (when that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; so
+            never at the default ``time_limit``); off with ``cpsat=None`` too.
+
+    Raises:
+        ValueError: an option outside what is allowed (the message names it).
+    """
+
+    world: int
+    ranks_per_node: int
+    capacity: int
+    policy: str = "dyncp"
+    max_length: int | None = None
+    group_sizes: tuple[int, ...] = ()
+    time_limit: float | None = None
+    deterministic: bool = False
+    cpsat: CpSatImprover | None | str = "default"
+    min_improve_seconds: float = 0.2
+    improver: Improver | None = None
+    bound: str = "tight"
+    defer_bound: str = "auto"
+    reserve_seconds: float = 0.03
+    head_sizes: tuple[int, ...] = (1,)
+    query_heads: int | None = None
+    kv_heads: int | None = None
+    timing: str = "dataflow"
+    budget: StepBudget | None = None
+    baselines: bool = True
+    layout: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_sizes", tuple(self.group_sizes))
+        object.__setattr__(self, "head_sizes", tuple(self.head_sizes))
+        check_timing(self.timing)
+        if self.budget is not None:
+            if not isinstance(self.budget, StepBudget):
+                raise ValueError(f"budget must be a StepBudget or None, got {self.budget!r}")
+            if self.time_limit is not None:
+                raise ValueError(
+                    "give time_limit (a fixed limit per step) or budget (a share of the "
+                    "predicted step, at least budget.floor), not both"
+                )
+        if self.bound not in BOUNDS:
+            raise ValueError(f"unknown bound {self.bound!r}; choose one of {', '.join(BOUNDS)}")
+        if self.defer_bound not in DEFER_BOUND:
+            raise ValueError(
+                f"unknown defer_bound {self.defer_bound!r}; choose one of {', '.join(DEFER_BOUND)}"
+            )
+        if not self.reserve_seconds >= 0:
+            raise ValueError(f"reserve_seconds must be >= 0, got {self.reserve_seconds}")
+        if self.policy not in ALL_POLICIES:
+            raise ValueError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(ALL_POLICIES)}"
+            )
+        if not self.seconds_per_step > 0:
+            raise ValueError(f"time_limit must be > 0 seconds, got {self.seconds_per_step}")
+
+    @property
+    def seconds_per_step(self) -> float:
+        """``time_limit`` (default ``DEFAULT_TIME_LIMIT``), or the budget's floor (what a policy
+        without a budget, or a planner asked for its ``time_limit``, uses)."""
+        if self.budget is not None:
+            return self.budget.floor
+        return DEFAULT_TIME_LIMIT if self.time_limit is None else self.time_limit
