@@ -30,7 +30,11 @@ MOVED: dict[str, tuple[str, ...]] = {
     "dyncp.calibration": ("dyncp.cost_model.calibration.online", "dyncp.planner.versioned"),
     "dyncp.datasets": ("dyncp.data.readers",),
     "dyncp.menu": ("dyncp.plan.menu",),
-    "dyncp.metrics": ("dyncp.observability.metrics",),
+    "dyncp.metrics": (
+        "dyncp.observability.metrics",
+        "dyncp.observability.exporter",
+        "dyncp.observability.catalog",
+    ),
     "dyncp.model_channel": ("dyncp.control.model_channel",),
     "dyncp.plan_auth": ("dyncp.control.signing",),
     "dyncp.plan_slice": ("dyncp.plan.slice",),

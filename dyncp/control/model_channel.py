@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dyncp.control.namespace import store_key
 from dyncp.control.signing import PlanSigner
 from dyncp.cost_model.calibration.fit import Measurement, WaveMeasurement
 from dyncp.cost_model.calibration.online import ModelVersion, OnlineCalibrator, encode_measurements
@@ -49,12 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["MeasurementChannel", "ModelChannel", "ServiceCalibration"]
 
 log = logging.getLogger(__name__)
-
-
-def _key(prefix: str, *parts: str) -> str:
-    if not prefix or "/" in prefix:
-        raise ValueError(f"prefix must be a non-empty string without '/', got {prefix!r}")
-    return "/".join(("dyncp", prefix, *parts))
 
 
 class ModelChannel:
@@ -80,10 +75,10 @@ class ModelChannel:
         self.signer = signer or PlanSigner.from_env()
         self.rejected = 0
         self._cache: dict[int, ModelVersion] = {}
-        self._latest_key = _key(prefix, "model", "latest")
+        self._latest_key = store_key(prefix, "model", "latest")
 
     def _version_key(self, version: int) -> str:
-        return _key(self.prefix, "model", f"v{version}")
+        return store_key(self.prefix, "model", f"v{version}")
 
     def publish(self, version: ModelVersion) -> None:
         """Write ``version`` (once), then point ``latest`` to it."""
@@ -150,11 +145,11 @@ class MeasurementChannel:
         self.prefix = prefix
         self.max_pending = max_pending
         self.signer = signer or PlanSigner.from_env()
-        self._next_key = _key(prefix, "meas", "next")
+        self._next_key = store_key(prefix, "meas", "next")
         self._read = 0
 
     def _record_key(self, n: int) -> str:
-        return _key(self.prefix, "meas", str(n))
+        return store_key(self.prefix, "meas", str(n))
 
     def push(
         self,

@@ -57,6 +57,7 @@ import numpy as np
 from dyncp.cost_model.head_split import HeadSplit, HeadSplitPricing
 from dyncp.cost_model.kernels import tile_length
 from dyncp.cost_model.schema import AttentionTable, Link, Profile, load_profile
+from dyncp.plan import padded_lengths
 
 __all__ = ["FullAttentionModel"]
 
@@ -189,11 +190,7 @@ class FullAttentionModel(HeadSplitPricing):
     @staticmethod
     def padded(cp: int, lengths: np.ndarray) -> np.ndarray:
         """Memory footprint of each sequence in a group of ``cp`` (the plan contract's padding)."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if cp == 1:
-            return lengths
-        unit = 2 * cp
-        return -(-lengths // unit) * unit
+        return padded_lengths(lengths, cp)
 
     def priced(self, cp: int, lengths: np.ndarray) -> np.ndarray:
         """Tokens each sequence is priced at in a group of ``cp`` (the profile's padding)."""

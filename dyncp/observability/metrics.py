@@ -26,115 +26,43 @@ Every labelled series the bundled dashboard and rules read exists from the first
 (counters and histograms at 0, latest-value gauges at NaN until a value is observed), given
 ``cp_sizes``; series of other CP sizes and of head-split layouts appear when first observed.
 
-Multi-process mode: when several processes on a host write metrics (trainer ranks, DataLoader
-workers running the sampler, the plan service), set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
-directory in the environment *before the processes start* (prometheus_client chooses its storage
-when it is imported). Each process then writes its values to files there, and ``serve()`` /
-``exposition()`` in any one process aggregate all of them with prometheus_client's
-``MultiProcessCollector``: counters and histograms are summed, the "last value" gauges report
-the most recently written value. Clear the directory between runs; call
-``prometheus_client.multiprocess.mark_process_dead(pid)`` when a worker exits.
+Multi-process mode (several processes on a host writing metrics) and the HTTP endpoint are
+``dyncp.observability.exporter``. The metrics themselves are declared as data, one entry each
+(``dyncp.observability.catalog``), and built in a loop: this module feeds them.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-    start_http_server,
-    values,
-)
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from dyncp.observability.catalog import (
+    CALIBRATION_STAGES,
+    DEFAULT_POLICIES,
+    FALLBACK_REASONS,
+    METRICS,
+    RANK_BUSY,
+    SOLVER_STATUSES,
+    SOURCES,
+)
+from dyncp.observability.exporter import (
+    Exporter,
+    check_port,
+    exposition_registry,
+    multiprocess_dir,
+    start_exporter,
+)
 from dyncp.plan import StepPlan, padded_length
 from dyncp.planner.improvement.head_split import layout_histogram
 
 if TYPE_CHECKING:
     from dyncp.cost_model.evaluate import PlanCost
 
-__all__ = [
-    "Metrics",
-    "Exporter",
-    "DEFAULT_POLICIES",
-    "SOURCES",
-    "SOLVER_STATUSES",
-    "FALLBACK_REASONS",
-    "MULTIPROC_ENV",
-    "CALIBRATION_STAGES",
-]
-
-# The planner's policies (dyncp.planner.planner.POLICIES), repeated so that importing the metrics
-# does not import the planner and its solver.
-DEFAULT_POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
-SOURCES = ("predicted", "measured")
-# CP-SAT outcomes plus the planner's own (SKIPPED: no time left, REJECTED: an invalid or worse
-# improvement, ERROR: the solver raised); anything else is counted as OTHER.
-SOLVER_STATUSES = (
-    "OPTIMAL",
-    "FEASIBLE",
-    "UNKNOWN",
-    "INFEASIBLE",
-    "MODEL_INVALID",
-    "ERROR",
-    "SKIPPED",
-    "REJECTED",
-    "OTHER",
-)
-# Why a step ran on a locally computed fallback plan instead of the plan service's plan (the
-# reasons of dyncp.service.Fetched): no plan by the deadline, a published plan that failed the
-# checks, planning raised.
-FALLBACK_REASONS = ("late", "rejected", "error")
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-CALIBRATION_STAGES = ("before", "after")
-
-IMBALANCE_BUCKETS = (1.0, 1.005, 1.01, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2.0, 3.0)
-STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0)
-PLAN_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Exporter:
-    """A running ``/metrics`` HTTP endpoint (a daemon thread); ``close()`` stops it."""
-
-    server: Any
-    thread: Any
-    addr: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-
-def _multiprocess_dir() -> str | None:
-    path = os.environ.get(MULTIPROC_ENV)
-    multiprocess_values = bool(getattr(values.ValueClass, "_multiprocess", False))
-    if path and not multiprocess_values:
-        raise RuntimeError(
-            f"{MULTIPROC_ENV}={path!r} was set after prometheus_client was imported, so this "
-            f"process keeps its metrics in memory; set {MULTIPROC_ENV} in the environment "
-            f"before the process starts"
-        )
-    if multiprocess_values and not (path and os.path.isdir(path)):
-        raise RuntimeError(f"{MULTIPROC_ENV}={path!r} is not an existing directory")
-    return path or None
+__all__ = ["Metrics"]
 
 
 def _no_value_yet(child: Any) -> None:
@@ -184,175 +112,25 @@ class Metrics:
         if not self.policies or len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies must be distinct names, got {list(self.policies)}")
         self.rank_label = rank_label
-        self.multiprocess_dir = _multiprocess_dir()
+        self.multiprocess_dir = multiprocess_dir()
         self.registry = CollectorRegistry() if registry is None else registry
-        r = self.registry
-        ps, pcs = ("policy", "source"), ("policy", "cp_size")
-        last = {"multiprocess_mode": "mostrecent"}
-        self.step_imbalance = Histogram(
-            "dyncp_step_imbalance_ratio",
-            "Busiest rank's busy seconds over the mean rank's, per step.",
-            ps,
-            buckets=IMBALANCE_BUCKETS,
-            registry=r,
-        )
-        self.last_step_imbalance = Gauge(
-            "dyncp_last_step_imbalance_ratio",
-            "Imbalance (busiest rank / mean rank) of the latest step.",
-            ps,
-            registry=r,
-            **last,
-        )
-        self.step_seconds = Histogram(
-            "dyncp_step_seconds",
-            "Step time: predicted by the cost model or measured.",
-            ps,
-            buckets=STEP_SECONDS_BUCKETS,
-            registry=r,
-        )
-        self.last_step_seconds = Gauge(
-            "dyncp_last_step_seconds", "Step time of the latest step.", ps, registry=r, **last
-        )
-        self.plan_seconds = Histogram(
-            "dyncp_plan_seconds",
-            "Wall-clock seconds the planner took for one step.",
-            ("policy",),
-            buckets=PLAN_SECONDS_BUCKETS,
-            registry=r,
-        )
-        self.gap_to_lower_bound = Gauge(
-            "dyncp_gap_to_lower_bound_ratio",
-            "Latest step: predicted step seconds / lower bound - 1.",
-            ("policy",),
-            registry=r,
-            **last,
-        )
-        self.lower_bound_seconds = Gauge(
-            "dyncp_lower_bound_seconds",
-            "Latest step: the lower bound no valid plan can beat.",
-            ("policy",),
-            registry=r,
-            **last,
-        )
-        self.solver_status = Counter(
-            "dyncp_solver_status",
-            "Planner improvement runs by outcome.",
-            ("policy", "status"),
-            registry=r,
-        )
-        self.fallback_plans = Counter(
-            "dyncp_fallback_plans",
-            "Steps run on a locally computed fallback plan, by reason.",
-            ("policy", "reason"),
-            registry=r,
-        )
-        self.lookahead_steps = Gauge(
-            "dyncp_plan_service_lookahead_steps",
-            "Plans ready ahead of the step being trained.",
-            ("policy",),
-            registry=r,
-            **last,
-        )
-        self.late_plans = Counter(
-            "dyncp_plan_service_late_plans",
-            "Steps whose plan was not ready when the trainer asked (it waited or fell back).",
-            ("policy",),
-            registry=r,
-        )
-        self.microbatches = Counter(
-            "dyncp_microbatches", "Micro-batches planned, by CP size.", pcs, registry=r
-        )
-        self.sequences = Counter(
-            "dyncp_sequences", "Sequences planned, by the CP size they run at.", pcs, registry=r
-        )
-        self.tokens = Counter(
-            "dyncp_tokens", "Real (unpadded) tokens planned, by CP size.", pcs, registry=r
-        )
-        self.layout_sequences = Counter(
-            "dyncp_layout_sequences",
-            "Sequences planned, by group layout: ring<c>, a2a<u> (heads exchanged by all-to-all "
-            "over u ranks), a2a<u>xring<r> (both).",
-            ("policy", "layout"),
-            registry=r,
-        )
-        self.padding_tokens = Counter(
-            "dyncp_padding_tokens",
-            "Zigzag padding tokens (each sequence padded to a multiple of 2 x CP size).",
-            pcs,
-            registry=r,
-        )
-        self.relative_error = Histogram(
-            "dyncp_cost_model_relative_error_ratio",
-            "|predicted / measured - 1| of the step time.",
-            ("policy",),
-            buckets=RELATIVE_ERROR_BUCKETS,
-            registry=r,
-        )
-        self.last_signed_error = Gauge(
-            "dyncp_last_cost_model_signed_error_ratio",
-            "Latest step: predicted / measured - 1 (> 0: the model overestimates).",
-            ("policy",),
-            registry=r,
-            **last,
-        )
-        self.model_version = Gauge(
-            "dyncp_cost_model_version",
-            "Version of the cost model plans are priced with (0: the profile loaded at start).",
-            registry=r,
-            **last,
-        )
-        self.calibration_error = Gauge(
-            "dyncp_cost_model_calibration_error_ratio",
-            "Latest refit: mean |predicted / measured - 1| of the held micro-batch measurements "
-            "under the model before and after the refit.",
-            ("stage",),
-            registry=r,
-            **last,
-        )
-        self.calibration_refits = Counter(
-            "dyncp_cost_model_refits",
-            "Online refits of the cost model, by outcome (adopted, or kept the current model).",
-            ("outcome",),
-            registry=r,
-        )
-        self.calibration_measurements = Gauge(
-            "dyncp_cost_model_calibration_measurements",
-            "Latest refit: micro-batch measurements it was fitted to, and how many were outliers.",
-            ("kind",),
-            registry=r,
-            **last,
-        )
-        for stage in CALIBRATION_STAGES:
-            _no_value_yet(self.calibration_error.labels(stage))
-        self.calibration_refused = Counter(
-            "dyncp_cost_model_calibration_refused",
-            "Measurements online calibration refused, by reason: record (a whole record "
-            "malformed or unsigned), entry (a micro-batch or wave the current profile cannot "
-            "price, or malformed), dropped (held measurements dropped after a failed refit).",
-            ("reason",),
-            registry=r,
-        )
-        for outcome in ("adopted", "kept", "failed"):
-            self.calibration_refits.labels(outcome)
-        for reason in ("record", "entry", "dropped"):
-            self.calibration_refused.labels(reason)
-        for kind in ("fitted", "outliers"):
-            _no_value_yet(self.calibration_measurements.labels(kind))
-        self.rank_busy: Gauge | None = None
-        if rank_label:
-            self.rank_busy = Gauge(
-                "dyncp_rank_busy_seconds",
-                "Latest step: seconds each rank spent in micro-batches.",
-                ("policy", "source", "rank"),
-                registry=r,
-                **last,
-            )
+        for spec in METRICS:
+            setattr(self, spec.attr, spec.build(self.registry))
+        self.rank_busy: Gauge | None = RANK_BUSY.build(self.registry) if rank_label else None
         self._cp_sizes: set[int] = set()
         self._menu: frozenset[int] = frozenset()
         # Every labelled series a dashboard or rule reads exists from the first scrape, so a
         # panel shows "none yet" rather than "no data" (e.g. solver outcomes when CP-SAT never
         # ran): counters and histograms at zero, the latest-value gauges at NaN (no step yet:
         # a 0 would read as a perfectly balanced, optimal, exactly predicted step).
+        for stage in CALIBRATION_STAGES:
+            _no_value_yet(self.calibration_error.labels(stage))
+        for outcome in ("adopted", "kept", "failed"):
+            self.calibration_refits.labels(outcome)
+        for reason in ("record", "entry", "dropped"):
+            self.calibration_refused.labels(reason)
+        for kind in ("fitted", "outliers"):
+            _no_value_yet(self.calibration_measurements.labels(kind))
         for policy in self.policies:
             for source in SOURCES:
                 self.step_imbalance.labels(policy, source)
@@ -597,11 +375,7 @@ class Metrics:
     # ------------------------------------------------------------------------------ export
     def exposition_registry(self) -> CollectorRegistry:
         """What to expose: this registry, or in multi-process mode every process's files."""
-        if self.multiprocess_dir is None:
-            return self.registry
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=self.multiprocess_dir)
-        return registry
+        return exposition_registry(self.registry, self.multiprocess_dir)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of ``exposition_registry()`` (what ``/metrics`` serves)."""
@@ -620,9 +394,5 @@ class Metrics:
             ValueError: a port outside 0..65535.
             OSError: the port is taken.
         """
-        if isinstance(port, bool) or not 0 <= int(port) <= 65535:
-            raise ValueError(f"metrics port must be in 0..65535, got {port!r}")
-        server, thread = start_http_server(
-            int(port), addr=addr, registry=self.exposition_registry()
-        )
-        return Exporter(server, thread, addr, int(server.server_port))
+        port = check_port(port)
+        return start_exporter(self.exposition_registry(), port=port, addr=addr)

@@ -3,6 +3,8 @@
 A plan says, for one global batch, which ranks run which sequences with which context-parallel (CP)
 size, and in what order. Everything else in dyncp either produces a plan (planners), prices one
 (the cost model) or executes one (the runtime), so the rules live here, once, in ``validate()``.
+The machine's side of the rules (allowed sizes, placement, memory) is ``dyncp.plan.topology``, the
+padding rule ``dyncp.plan.padding``, the hardened JSON decoding ``dyncp.plan.codec``.
 
 Vocabulary (see DESIGN.md)::
 
@@ -21,78 +23,39 @@ Memory: each sequence is zigzag-split into 2c chunks over a group of c ranks, so
 multiple of 2c (c > 1; a size-1 group needs no padding). A micro-batch fits when its padded tokens
 divided by c are at most ``capacity`` tokens per rank. The head split does not change this: every
 rank of a group holds the same zigzag shard whatever u is.
-
-Placement (``dyncp.plan.menu``): a group of size c lies inside one NVLink domain of
-``ranks_per_node`` ranks, on an aligned block counted from the domain's first rank, or spans whole
-domains on a block aligned to c. With a power-of-two domain and world this is the aligned block
-``[k*c, (k+1)*c)`` of earlier versions.
-
-Plan JSON: ``schema_version`` 3 (the topology names its ``placement`` rule, ``"domain"``, and its
-group sizes may be any menu the rule allows); version 2 (groups carry ``heads``, the topology the
-allowed head sizes and the model's head counts) and version 1 (rings only, ``heads = 1``) are
-still read, under the same placement rule -- for their power-of-two sizes on power-of-two nodes it
-is the rule they were written under.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dyncp.plan.menu import (
-    check_sizes,
-    domain_size,
-    is_placement,
-    menu_sizes,
-    placements,
-    split_allowed,
+from dyncp.plan.codec import (
+    SCHEMA_VERSION,
+    check_document,
+    decode_ints,
+    decode_topology,
+    decode_waves,
+    loads,
+    require,
 )
+from dyncp.plan.codec import kind as _kind
+from dyncp.plan.errors import PlanError
 from dyncp.plan.stats import PlanStats
+from dyncp.plan.topology import Topology
 
 __all__ = [
-    "Topology",
     "MicroBatch",
     "Group",
     "Wave",
     "StepPlan",
-    "PlanError",
-    "padded_length",
     "plan_digest",
 ]
-
-SCHEMA_VERSION = 3
-#: Plan JSON versions ``from_dict`` reads: 1 (rings only, before head parallelism), 2 (head
-#: splits, power-of-two menus) and 3 (menus shaped by the machine, named placement rule).
-READABLE_VERSIONS = (1, 2, 3)
-#: The placement rule of version 3 plans (the only one; see ``dyncp.plan.menu``).
-PLACEMENT = "domain"
-
-
-class PlanError(ValueError):
-    """A plan breaks a rule of the contract.
-
-    Attributes:
-        rule: short name of the violated rule (e.g. ``"exactly-once"``, ``"capacity"``).
-        ids: the offending sequence ids, ranks or group starts, as named in the message.
-    """
-
-    def __init__(self, rule: str, message: str, ids: Sequence[int] = ()) -> None:
-        super().__init__(f"[{rule}] {message}")
-        self.rule = rule
-        self.ids = tuple(int(i) for i in ids)
-
-
-def padded_length(length: int, cp: int) -> int:
-    """Tokens a sequence occupies in a group of ``cp`` ranks: a multiple of 2*cp when cp > 1."""
-    if cp == 1:
-        return int(length)
-    unit = 2 * cp
-    return -(-int(length) // unit) * unit
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -125,170 +88,6 @@ def plan_digest(plan: StepPlan) -> int:
     except (OverflowError, TypeError, ValueError) as exc:
         raise PlanError("digest", f"the plan holds a value that is not an int64: {exc}") from None
     return int.from_bytes(h.digest(), "little", signed=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Topology:
-    """The ranks a plan schedules and what each can hold.
-
-    Args:
-        world: number of ranks on the DP x CP axis.
-        ranks_per_node: ranks sharing one NVLink domain (a node, or a whole NVL72 rack);
-            ``world`` is a multiple of it (whole domains) or at most it (one domain, partly
-            used).
-        capacity: tokens per rank one micro-batch may hold (after zigzag padding).
-        group_sizes: the menu of allowed CP sizes: any sizes the placement rules of
-            ``dyncp.plan.menu`` allow (inside one domain, or whole domains), e.g.
-            ``menu_sizes("divisors", world=576, ranks_per_node=72)``. Default: every power of
-            two dividing ``world`` that the rules allow (the sizes dyncp always used).
-        head_sizes: allowed head-parallel degrees u of a group (u ranks exchange heads by
-            all-to-all, ``size // u`` form the ring); 1 always included. A group of c may use u
-            when u divides c and its head blocks stay inside a domain (``split_allowed``).
-            Default ``(1,)``: rings only.
-        query_heads, kv_heads: the model's attention heads; required (> 0) when a head size
-            above 1 is allowed, since u must divide the query heads, and the KV heads must be
-            divisible by u or divide it (KV heads fewer than u are replicated: rank j of a
-            head group holds KV head ``j // (u // kv_heads)``). 0: not given.
-        placement: the placement rule's name; ``"domain"``, the only one (``dyncp.plan.menu``).
-    """
-
-    world: int
-    ranks_per_node: int
-    capacity: int
-    group_sizes: tuple[int, ...] = ()
-    head_sizes: tuple[int, ...] = (1,)
-    query_heads: int = 0
-    kv_heads: int = 0
-    placement: str = PLACEMENT
-
-    def __post_init__(self) -> None:
-        if self.placement != PLACEMENT:
-            raise ValueError(
-                f"Topology.placement {self.placement!r} unknown; the placement rule is "
-                f"{PLACEMENT!r} (see dyncp.plan.menu)"
-            )
-        for name in ("world", "ranks_per_node", "capacity"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
-        if self.world > self.ranks_per_node and self.world % self.ranks_per_node:
-            raise ValueError(
-                f"Topology.world={self.world} is not a whole number of nodes of "
-                f"ranks_per_node={self.ranks_per_node}: give a multiple of {self.ranks_per_node} "
-                "(or a single node's ranks, world <= ranks_per_node)"
-            )
-        if not self.group_sizes:
-            sizes = menu_sizes(
-                "powers-of-two", world=self.world, ranks_per_node=self.ranks_per_node
-            )
-        else:
-            try:
-                sizes = check_sizes(
-                    self.group_sizes, world=self.world, ranks_per_node=self.ranks_per_node
-                )
-            except ValueError as exc:
-                raise ValueError(f"Topology.group_sizes: {exc}") from None
-        object.__setattr__(self, "group_sizes", sizes)
-        self._check_heads()
-
-    def _check_heads(self) -> None:
-        for name in ("query_heads", "kv_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Topology.{name} must be an integer >= 0, got {value!r}")
-        heads = tuple(sorted({1, *(int(u) for u in self.head_sizes)}))
-        bad = [u for u in heads if u < 1 or u > self.max_group_size]
-        if bad:
-            raise ValueError(
-                f"Topology.head_sizes {bad} not allowed: each must be in [1, largest group size "
-                f"{self.max_group_size}]"
-            )
-        object.__setattr__(self, "head_sizes", heads)
-        unused = [u for u in heads if not any(u in self.splits(c) for c in self.group_sizes)]
-        if unused:
-            raise ValueError(
-                f"Topology.head_sizes {unused} split no allowed group: a group of c ranks may "
-                "split u ways when u divides c and each head block of u ranks stays inside one "
-                f"domain of {self.domain} ranks or spans whole domains (group sizes "
-                f"{list(self.group_sizes)})"
-            )
-        if heads == (1,):
-            return
-        q, kv = self.query_heads, self.kv_heads
-        if q < 1 or kv < 1:
-            raise ValueError(
-                f"Topology.head_sizes {list(heads)} split heads, so query_heads and kv_heads "
-                f"must be given (> 0); got query_heads={q}, kv_heads={kv}"
-            )
-        if q % kv:
-            raise ValueError(f"Topology.kv_heads={kv} must divide query_heads={q}")
-        wrong = [u for u in heads if q % u or (kv % u and u % kv)]
-        if wrong:
-            raise ValueError(
-                f"Topology.head_sizes {wrong} do not fit the heads: each u must divide "
-                f"query_heads={q}, and kv_heads={kv} must be divisible by u or divide it"
-            )
-
-    @property
-    def max_group_size(self) -> int:
-        return self.group_sizes[-1]
-
-    @property
-    def domain(self) -> int:
-        """Ranks of one NVLink domain on this axis (``min(ranks_per_node, world)``)."""
-        return domain_size(self.world, self.ranks_per_node)
-
-    def placements(self, size: int) -> tuple[int, ...]:
-        """First ranks of the blocks a group of ``size`` may occupy (``dyncp.plan.menu``)."""
-        return placements(size, world=self.world, ranks_per_node=self.ranks_per_node)
-
-    def is_placement(self, start: int, size: int) -> bool:
-        """Whether ``[start, start + size)`` is a block the rules allow for an allowed size."""
-        return size in self.group_sizes and is_placement(
-            start, size, world=self.world, ranks_per_node=self.ranks_per_node
-        )
-
-    def memory_tokens(self, lengths: Sequence[int], cp: int) -> int:
-        """Tokens per rank of a micro-batch of ``lengths`` at CP size ``cp`` (padding included)."""
-        total = sum(padded_length(s, cp) for s in lengths)
-        return -(-total // cp)
-
-    def fits(self, lengths: Sequence[int], cp: int) -> bool:
-        return self.memory_tokens(lengths, cp) <= self.capacity
-
-    def min_cp(self, length: int) -> int | None:
-        """Smallest allowed CP size that can hold ``length`` alone, or None if none can."""
-        for cp in self.group_sizes:
-            if padded_length(length, cp) <= cp * self.capacity:
-                return cp
-        return None
-
-    def max_length(self) -> int:
-        """Longest sequence any allowed group can hold (0 if none holds even one token)."""
-        return max(
-            cp * self.capacity // (2 * cp) * 2 * cp if cp > 1 else self.capacity
-            for cp in self.group_sizes
-        )
-
-    def splits(self, size: int) -> tuple[int, ...]:
-        """Head-parallel degrees u a group of ``size`` ranks may use (u divides size)."""
-        return tuple(
-            u
-            for u in self.head_sizes
-            if split_allowed(size, u, world=self.world, ranks_per_node=self.ranks_per_node)
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "world": self.world,
-            "ranks_per_node": self.ranks_per_node,
-            "capacity": self.capacity,
-            "group_sizes": list(self.group_sizes),
-            "head_sizes": list(self.head_sizes),
-            "query_heads": self.query_heads,
-            "kv_heads": self.kv_heads,
-            "placement": self.placement,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,44 +325,19 @@ class StepPlan:
 
         Plans travel through a Store other processes can write, so nothing about ``data`` is
         trusted: every field's type is checked, integers must lie in ``[0, 2**63)`` and the
-        document may nest at most ``MAX_JSON_DEPTH`` levels. ``validate()`` is not called.
+        document may nest at most ``MAX_JSON_DEPTH`` levels (``dyncp.plan.codec``).
+        ``validate()`` is not called.
         """
-        if not isinstance(data, dict):
-            raise PlanError("decode", f"plan JSON must be an object, got {_kind(data)}")
-        version = data.get("schema_version")
-        if type(version) is not int or version not in READABLE_VERSIONS:
-            raise PlanError(
-                "decode",
-                f"plan schema_version {version!r} not supported (readable: "
-                f"{', '.join(map(str, READABLE_VERSIONS))})",
-            )
-        if _depth(data) > MAX_JSON_DEPTH:
-            raise PlanError("decode", f"plan JSON nests deeper than {MAX_JSON_DEPTH} levels")
-        t = _field(data, "topology", dict, "plan")
-        if version >= 3 and t.get("placement") != PLACEMENT:
-            raise PlanError(
-                "decode",
-                f"plan topology placement {t.get('placement')!r} not supported (readable: "
-                f"{PLACEMENT!r})",
-            )
-        try:
-            topo = Topology(
-                _int(_field(t, "world", int, "topology"), "topology.world"),
-                _int(_field(t, "ranks_per_node", int, "topology"), "topology.ranks_per_node"),
-                _int(_field(t, "capacity", int, "topology"), "topology.capacity"),
-                tuple(
-                    _int(c, "topology.group_sizes[]")
-                    for c in _list(t.get("group_sizes", []), "topology.group_sizes")
-                ),
-                *_head_fields(t, version),
-            )
-        except PlanError:
-            raise
-        except ValueError as exc:
-            raise PlanError("decode", str(exc)) from None
+        version = check_document(data)
+        topo = decode_topology(data, version)
         waves = tuple(
-            Wave(tuple(_group(g, w, version) for g in _list(wave, f"waves[{w}]")))
-            for w, wave in enumerate(_list(_field(data, "waves", list, "plan"), "waves"))
+            Wave(
+                tuple(
+                    Group(start, size, tuple(MicroBatch(ids) for ids in mbs), heads)
+                    for start, size, heads, mbs in wave
+                )
+            )
+            for wave in decode_waves(data, version)
         )
         sample_ids = data.get("sample_ids")
         policy = data.get("policy", "")
@@ -574,118 +348,17 @@ class StepPlan:
             raise PlanError("decode", f"plan field 'stats' must be an object, got {_kind(stats)}")
         return cls(
             topology=topo,
-            lengths=tuple(
-                _int(s, "lengths[]")
-                for s in _list(_field(data, "lengths", list, "plan"), "lengths")
-            ),
+            lengths=decode_ints(require(data, "lengths", list, "plan"), "lengths"),
             waves=waves,
             policy=policy,
-            sample_ids=None
-            if sample_ids is None
-            else tuple(_int(i, "sample_ids[]") for i in _list(sample_ids, "sample_ids")),
+            sample_ids=None if sample_ids is None else decode_ints(sample_ids, "sample_ids"),
             stats=PlanStats(stats),
         )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StepPlan:
         """Decode plan JSON; any text or bytes give a StepPlan or a PlanError (rule "decode")."""
-        try:
-            data = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, RecursionError, TypeError) as exc:
-            # ValueError covers bad JSON, bad UTF-8 and integers longer than Python parses.
-            raise PlanError("decode", f"plan is not valid JSON: {_short(exc)}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(loads(text))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
-
-
-# --------------------------------------------------------------------------------- decoding helpers
-
-#: Deepest nesting a plan document may have (a valid plan nests 5 levels; stats a few more).
-MAX_JSON_DEPTH = 32
-_INT_LIMIT = 2**63
-
-
-def _kind(value: object) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a number a plan may hold")
-
-
-def _depth(value: object) -> int:
-    """Nesting depth of a decoded JSON value (iterative: no recursion limit to hit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, level)
-            if level > MAX_JSON_DEPTH:
-                return level
-            todo.extend((v, level + 1) for v in item if isinstance(v, (dict, list)))
-    return deepest
-
-
-def _field(obj: dict, key: str, kind: type, where: str) -> Any:
-    if key not in obj:
-        raise PlanError("decode", f"plan JSON is missing field {key!r} (in {where})")
-    value = obj[key]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise PlanError(
-            "decode", f"{where} field {key!r} must be {kind.__name__}, got {_kind(value)}"
-        )
-    return value
-
-
-def _list(value: object, where: str) -> list:
-    if not isinstance(value, list):
-        raise PlanError("decode", f"plan field {where} must be a list, got {_kind(value)}")
-    return value
-
-
-def _int(value: object, where: str) -> int:
-    if type(value) is not int or not 0 <= value < _INT_LIMIT:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise PlanError(
-            "decode", f"plan field {where} must be an integer in [0, 2**63), got {shown}"
-        )
-    return value
-
-
-def _head_fields(t: dict, version: int) -> tuple[tuple[int, ...], int, int]:
-    """Topology head fields: absent from version 1 plans (rings only)."""
-    if version == 1:
-        return (1,), 0, 0
-    return (
-        tuple(
-            _int(u, "topology.head_sizes[]")
-            for u in _list(_field(t, "head_sizes", list, "topology"), "topology.head_sizes")
-        ),
-        _int(_field(t, "query_heads", int, "topology"), "topology.query_heads"),
-        _int(_field(t, "kv_heads", int, "topology"), "topology.kv_heads"),
-    )
-
-
-def _group(g: object, w: int, version: int) -> Group:
-    where = f"waves[{w}][]"
-    if not isinstance(g, dict):
-        raise PlanError("decode", f"plan field {where} must be an object, got {_kind(g)}")
-    heads = 1 if version == 1 else _int(_field(g, "heads", int, "group"), f"{where}.heads")
-    return Group(
-        _int(_field(g, "start", int, "group"), f"{where}.start"),
-        _int(_field(g, "size", int, "group"), f"{where}.size"),
-        tuple(
-            MicroBatch(tuple(_int(i, f"{where}.microbatches[][]") for i in _list(mb, where)))
-            for mb in _list(_field(g, "microbatches", list, "group"), f"{where}.microbatches")
-        ),
-        heads,
-    )

@@ -30,15 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from dyncp.plan.contract import (
-    SCHEMA_VERSION,
-    Group,
-    MicroBatch,
-    PlanError,
-    StepPlan,
-    Topology,
-    Wave,
-)
+from dyncp.plan.codec import SCHEMA_VERSION
+from dyncp.plan.contract import Group, MicroBatch, StepPlan, Wave
+from dyncp.plan.errors import PlanError
+from dyncp.plan.topology import Topology
 
 __all__ = [
     "HASH_BYTES",

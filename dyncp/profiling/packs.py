@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dyncp.cost_model.calibration.fit import Measurement
+from dyncp.plan import padding_multiple
 from dyncp.profiling.decoder import TinyDecoder
 from dyncp.ring_attention import make_ring_layout, zigzag_positions, zigzag_shard
 from dyncp.runtime import next_token_labels
@@ -30,7 +31,7 @@ def random_pack(pool: np.ndarray, cp: int, capacity: int, rng: np.random.Generat
     """Lengths drawn from ``pool`` until the next would overflow ``capacity`` tokens per rank."""
     out: list[int] = []
     tokens = 0
-    unit = 1 if cp == 1 else 2 * cp
+    unit = padding_multiple(cp)
     while True:
         s = int(min(rng.choice(pool), cp * capacity))
         padded = -(-s // unit) * unit

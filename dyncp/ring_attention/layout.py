@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
+from dyncp.plan import padding_multiple
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -39,7 +41,7 @@ def padding_unit(cp: int, pad_multiple: int | None) -> int:
         ValueError: ``pad_multiple`` is not a positive multiple of 2 * cp (any positive integer
             when cp == 1).
     """
-    need = 2 * cp if cp > 1 else 1
+    need = padding_multiple(cp)
     if pad_multiple is None:
         return need
     whole = isinstance(pad_multiple, int) and not isinstance(pad_multiple, bool)
@@ -144,10 +146,6 @@ class RingLayout:
     def local_tokens(self) -> int:
         """Rows of the local q/k/v tensors (padding included); equal on every rank of the ring."""
         return self.cu_seqlens_local[-1]
-
-    @property
-    def padded_tokens(self) -> int:
-        return self.cu_seqlens_padded[-1]
 
     @property
     def next_rank(self) -> int:

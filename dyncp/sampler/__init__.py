@@ -27,12 +27,15 @@ How a sample reaches a rank:
 The sampler runs in the DataLoader's main process; with ``num_workers > 0`` the workers receive the
 index lists (meta included) and run only the dataset and the collate.
 
-Modules: ``schedule`` (global batches), ``microbatches`` (a rank's share of a plan), ``collate``
-(dataset wrapper and packing), ``sources`` (where plans come from), ``sampler`` (the sampler),
+Modules:
+``schedule`` (global batches), ``microbatches`` (a rank's share of a plan),
+``collate`` (dataset wrapper and packing), ``sources`` (where plans come from),
+``sampler`` (the sampler), ``config`` (SamplerConfig: its options, typed and checked),
 ``online`` (batches whose lengths arrive at run time, e.g. RL rollouts: ``OnlinePlanner``).
 """
 
 from dyncp.sampler.collate import PackedMicroBatch, PlannedDataset, PlannedItems, ZigzagCollate
+from dyncp.sampler.config import SamplerConfig
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
 from dyncp.sampler.online import (
     OnlinePlanner,
@@ -59,6 +62,7 @@ __all__ = [
     "PlannedDataset",
     "PlannedItems",
     "RolloutBatch",
+    "SamplerConfig",
     "SamplerCounters",
     "StepInfo",
     "ZigzagCollate",

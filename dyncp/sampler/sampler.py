@@ -12,7 +12,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,11 +21,10 @@ from dyncp.control.agreement import AgreementGroup, PendingAgreement
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
 from dyncp.control.signing import RUN_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
-from dyncp.plan import StepPlan
-from dyncp.plan.slice import PlanSlice, SliceUnavailable, check_slice_header
-from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
+from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
+from dyncp.sampler.config import SamplerConfig
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
 from dyncp.sampler.schedule import BatchSchedule
 from dyncp.sampler.sources import LocalPlans, SamplerCounters, StepInfo, StorePlans
@@ -96,21 +95,12 @@ class DynamicCPSampler:
 
     Args:
         lengths: tokens of each dataset sample.
-        world_size, rank: the DP x CP ranks and this process's place among them.
-        capacity: tokens per rank per micro-batch (must match the planner's topology).
         planner: plans the steps (the service's planner when this rank serves).
-        global_batch_tokens, global_batch_size: how each global batch is cut (give one).
-        seed, shuffle, drop_last, overlong: see ``BatchSchedule``.
-        lookahead: steps planned ahead of the one being consumed (local thread, or this rank's
-            plan service).
+        config: the sampler's options (:class:`~dyncp.sampler.config.SamplerConfig`); or give
+            them as keywords, as always (``world_size=..., rank=..., capacity=..., ...``), which
+            also override the fields of a ``config`` given with them.
         store: the job's torch.distributed Store; plans come from the plan service through it.
             None: every rank plans locally (``planner`` must be deterministic if world_size > 1).
-        prefix: job namespace of the Store keys.
-        serve: run the plan service in this process (default: rank 0 when a store is given);
-            False on every rank when ``python -m dyncp.service`` runs it.
-        deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
-        secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
-            the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.control.signing``).
         group: the plan agreement. Before the first micro-batch of each step is yielded, every
             rank compares the step's plan digest with the others' (one all_reduce of 48 bytes)
             and, if any differs, every rank raises ``PlanMismatchError`` in that step; a rank
@@ -121,26 +111,6 @@ class DynamicCPSampler:
             every rank of the job, in the same order as other groups). A gloo ProcessGroup:
             compare on that group (it should use the job's timeout, not torch's 30 minutes).
             False: no agreement (ranks holding different plans then go undetected).
-        agree_ahead: steps ahead of the one being yielded whose plans are fetched and compared
-            early (default 0: at the step boundary). The comparison of step N waits until every
-            rank's sampler has reached step N - agree_ahead; a DataLoader that prefetches P
-            micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
-            steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
-            0``: then no comparison waits for a rank whose training waits for this one.
-        slices: read each step's slice header and this rank's slice from the plan service
-            (``dyncp.plan.slice``: about a kilobyte per rank, checked against the header's
-            Merkle root, whose digest the ranks compare) instead of the whole plan; needs
-            ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
-            :class:`~dyncp.plan.slice.PlanSlice`. Not with ``calibrate`` (measurements need the
-            whole plan).
-        budget: how long each step is planned, by the plan service or the local lookahead
-            thread: a share of its predicted seconds (``dyncp.planner.budget``; default 0.25
-            within [0.1 s, 2 s]). ``None``: the planner's own ``time_limit``.
-        run_id: the run the plan records are bound to (a record of an earlier run of the same
-            job does not verify; see ``dyncp.control.signing``). Default: ``$DYNCP_RUN_ID``; else,
-            when a rank of the job serves in-process (the default), an id drawn for this run and
-            shared over the agreement group; else none. A standalone ``python -m dyncp.service``
-            must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
         on_step: called as ``on_step(plan, info)`` once per step when its plan is known.
         calibrate: online calibration of the cost model (needs ``store``): readers' fallbacks
             use the newest model version published in the Store; the rank that serves refits
@@ -148,41 +118,30 @@ class DynamicCPSampler:
             with this calibrator (True: a default ``OnlineCalibrator`` of the planner's profile).
             ``sampler.calibration`` is the service side (set its ``metrics``/``save_path``).
 
+    Attributes:
+        config: the options it runs with (a ``SamplerConfig``).
+
     Raises:
         ValueError: inconsistent options (each names the option and what is allowed).
+        TypeError: an option that is not a field of ``SamplerConfig``, or a required one
+            (``world_size``, ``rank``, ``capacity``) missing.
     """
 
     def __init__(
         self,
         lengths: Sequence[int] | np.ndarray,
         *,
-        world_size: int,
-        rank: int,
-        capacity: int,
         planner: Planner,
-        global_batch_tokens: int | None = None,
-        global_batch_size: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        lookahead: int = 2,
-        overlong: str = "error",
+        config: SamplerConfig | None = None,
         store: Store | None = None,
-        prefix: str = "default",
-        serve: bool | None = None,
-        deadline: float = 1.0,
-        late_deadline: float = 0.05,
-        secret: bytes | str | None = None,
         group: ProcessGroup | bool | None = None,
-        agree_ahead: int = 0,
         on_step: Callable[[StepPlan, StepInfo], None] | None = None,
         calibrate: bool | OnlineCalibrator = False,
-        run_id: str | None = None,
-        slices: bool = False,
-        budget: StepBudget | None = DEFAULT_STEP_BUDGET,
+        **options: Any,
     ) -> None:
+        config = SamplerConfig(**options) if config is None else replace(config, **options)
         topo = planner.topology
-        if slices and (store is None or calibrate is not False):
+        if config.slices and (store is None or calibrate is not False):
             raise ValueError(
                 "slices=True needs store= (slices come from the plan service) and no calibrate= "
                 "(measurements are matched against the whole plan)"
@@ -192,18 +151,12 @@ class DynamicCPSampler:
                 "calibrate= needs store= (model versions reach the ranks through the plan "
                 "service); without a store use dyncp.runtime.measure.CollectiveCalibration"
             )
-        if world_size != topo.world or capacity != topo.capacity:
+        if config.world_size != topo.world or config.capacity != topo.capacity:
             raise ValueError(
-                f"world_size={world_size}, capacity={capacity} differ from the planner's "
-                f"world={topo.world}, capacity={topo.capacity}"
+                f"world_size={config.world_size}, capacity={config.capacity} differ from the "
+                f"planner's world={topo.world}, capacity={topo.capacity}"
             )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
-        if not isinstance(agree_ahead, int) or agree_ahead < 0:
-            raise ValueError(f"agree_ahead must be an integer >= 0, got {agree_ahead!r}")
-        if store is None and world_size > 1 and not planner.deterministic:
+        if store is None and config.world_size > 1 and not planner.deterministic:
             raise ValueError(
                 "without a store every rank plans locally, so the planner must be deterministic "
                 "(Planner(..., deterministic=True)); or pass store= to use the plan service"
@@ -211,15 +164,16 @@ class DynamicCPSampler:
         self.schedule = BatchSchedule(
             lengths,
             max_length=topo.max_length(),
-            overlong=overlong,
-            seed=seed,
-            shuffle=shuffle,
-            global_batch_tokens=global_batch_tokens,
-            global_batch_size=global_batch_size,
-            drop_last=drop_last,
+            overlong=config.overlong,
+            seed=config.seed,
+            shuffle=config.shuffle,
+            global_batch_tokens=config.global_batch_tokens,
+            global_batch_size=config.global_batch_size,
+            drop_last=config.drop_last,
         )
-        self.world_size, self.rank, self.planner = world_size, rank, planner
-        self.lookahead, self.on_step = lookahead, on_step
+        self.config = config
+        self.world_size, self.rank, self.planner = config.world_size, config.rank, planner
+        self.lookahead, self.on_step = config.lookahead, on_step
         self.counters = SamplerCounters(
             truncated_samples=len(self.schedule.truncated),
             skipped_samples=len(self.schedule.skipped),
@@ -229,33 +183,37 @@ class DynamicCPSampler:
                 "%d samples longer than %d tokens were %s",
                 len(self.schedule.truncated) + len(self.schedule.skipped),
                 topo.max_length(),
-                "truncated" if overlong == "truncate" else "skipped",
+                "truncated" if config.overlong == "truncate" else "skipped",
             )
         self.calibration: ServiceCalibration | None = None
         self.run_id = ""
-        self.agreement = _agreement(group, store, world_size)
+        self.agreement = _agreement(group, store, config.world_size)
         self.group = None if self.agreement is None else self.agreement.group
         self._source: LocalPlans | StorePlans
         if store is None:
-            self._source = LocalPlans(self.schedule, planner, lookahead, budget=budget)
+            self._source = LocalPlans(
+                self.schedule, planner, config.lookahead, budget=config.budget
+            )
         else:
-            serves = rank == 0 if serve is None else bool(serve)
-            self.run_id = _run_id(run_id, self.agreement, serves)
+            serves = config.rank == 0 if config.serve is None else bool(config.serve)
+            self.run_id = _run_id(config.run_id, self.agreement, serves)
             signer = None
             if calibrate is not False:
-                signer = PlanSigner.from_env(secret, run=self.run_id)
+                signer = PlanSigner.from_env(config.secret, run=self.run_id)
             client = PlanClient(
                 store,
                 source=self.schedule,
                 planner=planner,
-                prefix=prefix,
-                rank=rank,
-                deadline=deadline,
-                late_deadline=late_deadline,
-                secret=secret,
-                models=None if calibrate is False else ModelChannel(store, prefix, signer=signer),
+                prefix=config.prefix,
+                rank=config.rank,
+                deadline=config.deadline,
+                late_deadline=config.late_deadline,
+                secret=config.secret,
+                models=None
+                if calibrate is False
+                else ModelChannel(store, config.prefix, signer=signer),
                 run_id=self.run_id,
-                slices=slices,
+                slices=config.slices,
             )
             service = None
             if serves:
@@ -267,21 +225,23 @@ class DynamicCPSampler:
                             planner.model.profile, ranks_per_node=topo.ranks_per_node
                         )
                     )
-                    self.calibration = ServiceCalibration(store, prefix, calibrator, signer=signer)
+                    self.calibration = ServiceCalibration(
+                        store, config.prefix, calibrator, signer=signer
+                    )
                 service = PlanService(
                     store,
                     source=self.schedule,
                     planner=planner,
-                    prefix=prefix,
-                    lookahead=lookahead,
-                    secret=secret,
+                    prefix=config.prefix,
+                    lookahead=config.lookahead,
+                    secret=config.secret,
                     calibration=self.calibration,
                     run_id=self.run_id,
-                    slices=slices,
-                    budget=budget,
+                    slices=config.slices,
+                    budget=config.budget,
                 )
             self._source = StorePlans(client, service)
-        self.agree_ahead = agree_ahead
+        self.agree_ahead = config.agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0
         self._position = (0, 0, 0)  # (epoch, step, offset) after the last micro-batch yielded

@@ -39,7 +39,7 @@ from dyncp.data.readers import (
     load_lengths,
     resolve_dataset,
 )
-from dyncp.observability.metrics import Exporter, Metrics
+from dyncp.observability import Exporter, Metrics
 from dyncp.plan import StepPlan
 from dyncp.plan.menu import MENU_KINDS, menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dyncp.plan import Group, MicroBatch, Topology
+from dyncp.plan import Group, MicroBatch, Topology, padding_multiple
 
 __all__ = ["pack_ffd", "lpt", "place_groups", "place_waves"]
 
@@ -25,7 +25,7 @@ def pack_ffd(
     ValueError naming a sequence too long for ``cp`` (callers choose cp >= its minimum).
     """
     cap = topology.capacity * cp
-    unit = 1 if cp == 1 else 2 * cp
+    unit = padding_multiple(cp)
     # Longest first, ties by id: a stable sort by length (reversed, which keeps the order of
     # equals) of the ids in order -- no key tuple per sequence.
     order = sorted(sorted(ids), key=lambda i: int(lengths[i]), reverse=True)

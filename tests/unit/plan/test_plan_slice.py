@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 import dyncp.plan.contract as plan_module
-import dyncp.service.publisher as service_module
+import dyncp.service as service_module
 from dyncp.cost_model import CostModel
 from dyncp.plan import PlanError, StepPlan
 from dyncp.plan.slice import HASH_BYTES, SliceHeader, open_slice, own_slice, slice_plan

@@ -1,0 +1,90 @@
+"""SamplerConfig: the typed, frozen options of a DynamicCPSampler, checked once when built.
+
+A sampler takes some twenty options; gathered in one frozen, keyword-only record they can be
+built, checked and varied apart from the sampler (``dataclasses.replace(config, rank=r)`` gives
+another rank's), and ``sampler.config`` says what a sampler runs with. The options that need the
+planner or the Store (the planner's topology, ``slices`` and ``calibrate`` without a store, a
+non-deterministic planner without one) are checked by the sampler, which holds them; the batch
+options by ``BatchSchedule``, the deadlines by ``PlanClient``, with the messages they always had.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
+
+__all__ = ["SamplerConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplerConfig:
+    """The options of a :class:`~dyncp.sampler.DynamicCPSampler` (all keyword-only).
+
+    Args:
+        world_size, rank: the DP x CP ranks and this process's place among them.
+        capacity: tokens per rank per micro-batch (must match the planner's topology).
+        global_batch_tokens, global_batch_size: how each global batch is cut (give one).
+        seed, shuffle, drop_last, overlong: see ``BatchSchedule``.
+        lookahead: steps planned ahead of the one being consumed (local thread, or this rank's
+            plan service).
+        prefix: job namespace of the Store keys.
+        serve: run the plan service in this process (default: rank 0 when a store is given);
+            False on every rank when ``python -m dyncp.service`` runs it.
+        deadline, late_deadline: seconds to wait for a published plan (see ``PlanClient``).
+        secret: the per-job secret plans are signed with (default: ``$DYNCP_PLAN_SECRET`` or
+            the file ``$DYNCP_PLAN_SECRET_FILE``; see ``dyncp.control.signing``). Not shown in
+            the config's repr.
+        agree_ahead: steps ahead of the one being yielded whose plans are fetched and compared
+            early (default 0: at the step boundary). The comparison of step N waits until every
+            rank's sampler has reached step N - agree_ahead; a DataLoader that prefetches P
+            micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
+            steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
+            0``: then no comparison waits for a rank whose training waits for this one.
+        slices: read each step's slice header and this rank's slice from the plan service
+            (``dyncp.plan.slice``: about a kilobyte per rank, checked against the header's
+            Merkle root, whose digest the ranks compare) instead of the whole plan; needs
+            ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
+            :class:`~dyncp.plan.slice.PlanSlice`. Not with ``calibrate`` (measurements need the
+            whole plan).
+        budget: how long each step is planned, by the plan service or the local lookahead
+            thread: a share of its predicted seconds (``dyncp.planner.budget``; default 0.25
+            within [0.1 s, 2 s]). ``None``: the planner's own ``time_limit``.
+        run_id: the run the plan records are bound to (a record of an earlier run of the same
+            job does not verify; see ``dyncp.control.signing``). Default: ``$DYNCP_RUN_ID``; else,
+            when a rank of the job serves in-process (the default), an id drawn for this run and
+            shared over the agreement group; else none. A standalone ``python -m dyncp.service``
+            must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world_size)``, or ``lookahead`` / ``agree_ahead`` not
+            an integer >= 0.
+    """
+
+    world_size: int
+    rank: int
+    capacity: int
+    global_batch_tokens: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    lookahead: int = 2
+    overlong: str = "error"
+    prefix: str = "default"
+    serve: bool | None = None
+    deadline: float = 1.0
+    late_deadline: float = 0.05
+    secret: bytes | str | None = field(default=None, repr=False)
+    agree_ahead: int = 0
+    run_id: str | None = None
+    slices: bool = False
+    budget: StepBudget | None = DEFAULT_STEP_BUDGET
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if not isinstance(self.agree_ahead, int) or self.agree_ahead < 0:
+            raise ValueError(f"agree_ahead must be an integer >= 0, got {self.agree_ahead!r}")

@@ -1,0 +1,229 @@
+"""PlanClient: a reader of the plan service; the published plan or, past the deadline, the fallback.
+
+Every rank reads the decision of each step from its one-shot register (``dyncp.service.protocol``);
+when none is there by the deadline it offers the fallback in its place and takes whatever the
+register then holds, so all ranks run the same plan however late the service. Anything may have
+been written at a key, so a value is decoded totally and checked against the batch, and a
+rejected one is replaced by the deterministic fallback (``dyncp.service.fallback``), counted.
+
+Readers poll ``store.check`` rather than block in ``store.wait(keys, timeout)``: a timed-out wait
+logs C++ warnings on every fallback, and a blocked wait holds the client's connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from dyncp.control.namespace import check_prefix
+from dyncp.control.signing import FALLBACK, PlanSigner, is_fallback
+from dyncp.cost_model.calibration.online import ModelVersion
+from dyncp.plan import (
+    PlanError,
+    PlanSlice,
+    SliceHeader,
+    SliceUnavailable,
+    StepPlan,
+    check_slice_header,
+    open_slice,
+    own_slice,
+)
+from dyncp.planner.planner import Planner
+from dyncp.planner.versioned import VersionedPlanner
+from dyncp.service.fallback import check_plan, fallback_planner, plan_batch
+from dyncp.service.protocol import BatchSource, cursor_key, cursor_value, slice_key, step_key
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from dyncp.control.model_channel import ModelChannel
+
+__all__ = ["Fetched", "PlanClient"]
+
+log = logging.getLogger(__name__)
+
+
+class Fetched(NamedTuple):
+    """One step's plan as a reader got it."""
+
+    plan: StepPlan
+    source: str  # "service", "fallback" (or "local" from a sampler's own lookahead)
+    reason: str | None  # why it fell back: "late" or "rejected"
+    ready: bool  # whether the decision was there when asked (False: the reader waited)
+
+
+class PlanClient:
+    """Reads published plans; falls back to the deterministic greedy plan past the deadline.
+
+    Args:
+        store: the job's Store.
+        source: the global batches (to check a plan against, and to plan a fallback).
+        planner: the job's planner; its topology is required and its deterministic greedy
+            (:func:`fallback_planner`) is the fallback.
+        prefix: job namespace of the keys.
+        rank: this reader's rank; rank 0 also deletes old step keys.
+        deadline: seconds to wait for a step's plan.
+        late_deadline: the shorter wait used after a step fell back, until a plan arrives in time
+            again (so a stopped service costs this much per step, not ``deadline``).
+        keep_steps: rank 0 deletes the key of the step this many steps behind it.
+        secret: the per-job secret records must be signed with (default: from the environment);
+            with one, unsigned or wrongly signed records are rejected (fallback, counted).
+        run_id: the run records must be bound to (the service's ``run_id``).
+        slices: read the step's slice header and this rank's slice (a
+            :class:`~dyncp.plan.slice.PlanSlice` in ``Fetched.plan``), not the whole plan.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        source: BatchSource,
+        planner: Planner,
+        prefix: str,
+        rank: int,
+        deadline: float = 1.0,
+        late_deadline: float = 0.05,
+        keep_steps: int = 64,
+        secret: bytes | str | None = None,
+        models: ModelChannel | None = None,
+        run_id: str = "",
+        slices: bool = False,
+    ) -> None:
+        if not deadline >= 0 or not late_deadline >= 0:
+            raise ValueError(
+                f"deadline and late_deadline must be >= 0 seconds, got {deadline}, {late_deadline}"
+            )
+        self.prefix = check_prefix(prefix)
+        self.slices = slices
+        self.store = store
+        self.source = source
+        self.topology = planner.topology
+        self.fallback = fallback_planner(planner)
+        self.models = models
+        self._fallbacks: dict[int, VersionedPlanner] = {}
+        self.rank = rank
+        self.deadline = deadline
+        self.late_deadline = late_deadline
+        self.keep_steps = keep_steps
+        self.signer = PlanSigner.from_env(secret, run=run_id)
+        self._missed = False
+        self._consumed: deque[str] = deque()
+
+    def fetch(self, epoch: int, step: int) -> Fetched:
+        """The plan of one step: the published one, or the same fallback on every rank."""
+        key = step_key(self.prefix, epoch, step)
+        ids, lengths = self.source.batch(epoch, step)
+        if self.rank == 0:  # one writer: the service follows rank 0
+            cursor = cursor_key(self.prefix)
+            self.store.set(cursor, self.signer.seal(cursor, cursor_value(epoch, step)))
+        ready = self.store.check([key])
+        if ready:
+            value: bytes | None = self.store.get(key)
+        else:
+            value = self._poll(key, self.late_deadline if self._missed else self.deadline)
+        if not value:  # none by the deadline, or an empty value: no decision (module docstring)
+            value = self.store.compare_set(key, "", self.signer.seal(key, self._fallback_body()))
+        self._forget_old(key)
+        try:
+            body = self.signer.open(key, value)
+            self._missed = is_fallback(body)
+            if self._missed:
+                plan = plan_batch(self._fallback_for(body), ids, lengths)
+                return Fetched(self._mine(plan), "fallback", "late", False)
+            if self.slices:
+                header = SliceHeader.from_json(body)
+                check_slice_header(header, topology=self.topology, lengths=lengths)
+                return Fetched(self._own_slice(key, header, ids, lengths), "service", None, ready)
+            plan = StepPlan.from_json(body)
+            check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
+        except SliceUnavailable:
+            raise
+        except ValueError as exc:  # PlanError (decoding, signature) or another batch's plan
+            log.warning("published plan of epoch %d step %d rejected: %s", epoch, step, exc)
+            plan = plan_batch(self.fallback, ids, lengths)
+            return Fetched(self._mine(plan), "fallback", "rejected", ready)
+        return Fetched(plan, "service", None, ready)
+
+    def _mine(self, plan: StepPlan) -> StepPlan | PlanSlice:
+        """A plan this rank computed itself, as the reader returns plans (whole, or its slice)."""
+        return own_slice(plan, self.rank) if self.slices else plan
+
+    def _own_slice(
+        self, key: str, header: SliceHeader, ids: np.ndarray, lengths: np.ndarray
+    ) -> PlanSlice:
+        """This rank's slice of a verified header, checked against the batch; its key deleted.
+
+        Raises:
+            SliceUnavailable: missing, not the header's, or not this batch's.
+        """
+        own = slice_key(key, self.rank)
+        try:
+            if not self.store.check([own]):
+                raise PlanError("slice", f"no slice at {own}")
+            mine = open_slice(header, self.store.get(own), self.rank)
+            for i, length in mine.lengths.items():
+                if length != int(lengths[i]) or mine.sample_ids[i] != int(ids[i]):
+                    raise PlanError("slice", f"sequence {i} of the slice is not this batch's")
+        except PlanError as exc:
+            raise SliceUnavailable(f"rank {self.rank}: {exc}", header.digest) from None
+        self.store.delete_key(own)
+        return mine
+
+    def _fallback_body(self) -> bytes:
+        """What this reader offers as the step's decision: ``FALLBACK``, naming the newest model
+        version published in the Store when the job calibrates (every reader can fetch it)."""
+        latest = self.models.latest() if self.models is not None else None
+        return FALLBACK if not latest else FALLBACK + b" v%d" % latest
+
+    def _fallback_for(self, body: bytes) -> Planner | VersionedPlanner:
+        """The deterministic planner a fallback decision names (same on every rank).
+
+        A version that cannot be fetched (deleted, or refused as malformed or unsigned) leaves
+        the starting model; if that made ranks differ, the per-step digest agreement says so.
+        """
+        suffix = body[len(FALLBACK) + 1 :]
+        if self.models is None:
+            return self.fallback
+        if not suffix.startswith(b"v") or not suffix[1:].isdigit():
+            return self._starting_fallback()
+        version = int(suffix[1:])
+        if version not in self._fallbacks:
+            found = self.models.get(version)
+            if found is None:
+                log.warning("fallback names model v%d, which this reader cannot fetch", version)
+                return self._starting_fallback()
+            self._fallbacks = {version: VersionedPlanner.rebuild(self.fallback, found)}
+        return self._fallbacks[version]
+
+    def _starting_fallback(self) -> VersionedPlanner:
+        """The fallback on the model every rank started with (version 0)."""
+        return VersionedPlanner(self.fallback, ModelVersion(0, self.fallback.model.profile))
+
+    def _poll(self, key: str, seconds: float) -> bytes | None:
+        """The key's value, polling ``check`` until it is set or ``seconds`` have passed."""
+        end = time.perf_counter() + seconds
+        pause = 0.0005
+        while not self.store.check([key]):
+            left = end - time.perf_counter()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.004)
+        return self.store.get(key)
+
+    def _forget_old(self, key: str) -> None:
+        if self.rank != 0 or self.keep_steps < 0:
+            return
+        self._consumed.append(key)
+        while len(self._consumed) > self.keep_steps:
+            old = self._consumed.popleft()
+            try:
+                self.store.delete_key(old)
+            except (RuntimeError, NotImplementedError):
+                log.info("this Store cannot delete keys; old plans stay in it")
+                self.keep_steps = -1
+                return
