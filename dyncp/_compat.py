@@ -44,6 +44,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "dyncp.cost_model.level": ("dyncp.cost_model.calibration.level",),
     "dyncp.cost_model.measurements": ("dyncp.cost_model.calibration.measurements",),
     "dyncp.runtime.failures": ("dyncp.control.failures",),
+    "dyncp.sampler.schedule": ("dyncp.data.schedule",),
     # The planner's modules, in its subpackages since 0.2 (``dyncp.planner``'s docstring).
     "dyncp.planner.assignment": ("dyncp.planner.construction.assignment",),
     "dyncp.planner.bound": ("dyncp.planner.bounds.closed_form", "dyncp.planner.batch"),

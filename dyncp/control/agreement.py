@@ -174,7 +174,7 @@ class AgreementGroup:
         if not dist.is_initialized():
             raise RuntimeError("plan agreement needs torch.distributed to be initialised first")
         from dyncp.control.failures import shared_secret
-        from dyncp.runtime.group_pool import job_timeout
+        from dyncp.control.job import job_timeout
 
         self.timeout = job_timeout() if timeout is None else float(timeout)
         if group is None:

@@ -48,14 +48,15 @@ whatever the profile says.
 Published forms as profiles (each bundled, each checked against its formula in the tests):
 
 - Megatron's ``sum(L^2) / cp`` (the workload its dynamic-CP packing balances):
-  ``profiles/published-megatron.json``;
+  ``dyncp/cost_model/profiles/published-megatron.json``;
 - FlexSP-style ``sum(a1 L^2 + a2 L) / s + beta + [s > 1] V sum(L) / (s bw[s])``: attention
   ``quadratic`` with ``alpha = a1 / layers``, ``beta = 0``; ``linear_seconds_per_token = a2``;
   ``overheads.microbatch_seconds = beta``; ``communication.kind = "all_to_all"`` with
   ``kv_bytes_per_token = V / layers`` and ``links`` holding ``bw[s]`` (latency 0);
-  ``padding.multiple_per_rank = 0``: ``profiles/published-flexsp.json``;
+  ``padding.multiple_per_rank = 0``: ``dyncp/cost_model/profiles/published-flexsp.json``;
 - WLB-LLM's ``(W_a sum(L^2) + W_l sum(L)) / cp`` (attention quadratic in each document, linear
-  work in tokens, split evenly by per-document CP sharding): ``profiles/published-wlbllm.json``.
+  work in tokens, split evenly by per-document CP sharding):
+  ``dyncp/cost_model/profiles/published-wlbllm.json``.
 
 What the planner, the bound and the simulator call on a cost model is listed in
 ``dyncp.cost_model.protocol``.

@@ -1,7 +1,8 @@
 """Profile this hardware into a cost-model profile: ``python -m dyncp.profiling.profile``.
 
     python -m dyncp.profiling.profile --out profiles/mine.json                 # one process
-    torchrun --nproc-per-node 2 -m dyncp.profiling.profile --out profiles/cpu-gloo.json
+    torchrun --nproc-per-node 2 -m dyncp.profiling.profile \\
+        --out dyncp/cost_model/profiles/cpu-gloo.json
 
 The command line of the profiler: it measures (``dyncp.profiling.measure``, which says what is
 timed and how), fits (``dyncp.profiling.fits``) and, last, times packs of real document lengths

@@ -1,6 +1,6 @@
 """Check a profile against reality: ``python -m dyncp.profiling.validate --profile P``.
 
-    torchrun --nproc-per-node 2 -m dyncp.profiling.validate --profile profiles/cpu-gloo.json
+    torchrun --nproc-per-node 2 -m dyncp.profiling.validate --profile cpu-gloo
 
 Runs real micro-batches of the profile's model (forward + backward of the tiny decoder through
 dyncp's ring attention) under CP sizes 1, 2, 4 (every size the world allows), packs of random

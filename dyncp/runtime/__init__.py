@@ -5,6 +5,7 @@ Modules: ``executor`` (runs a StepPlan's waves), ``group_pool`` (the pre-built c
 (next-token labels of a packed batch).
 """
 
+from dyncp.control.job import job_timeout
 from dyncp.runtime.executor import (
     MicroBatchContext,
     MicroBatchTiming,
@@ -13,7 +14,7 @@ from dyncp.runtime.executor import (
     execute,
     label_tokens,
 )
-from dyncp.runtime.group_pool import GroupPool, job_timeout
+from dyncp.runtime.group_pool import GroupPool
 from dyncp.runtime.labels import IGNORE, next_token_labels
 from dyncp.runtime.reduce import reduce_gradients, reduce_loss
 

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from dyncp.control.failures import FailureBoard, shared_secret
+from dyncp.control.job import job_timeout
 from dyncp.plan.menu import (
     PoolCount,
     check_sizes,
@@ -69,22 +70,7 @@ from dyncp.plan.menu import (
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-__all__ = ["GroupPool", "job_timeout"]
-
-#: torch's default for gloo process groups, used when the job's own timeout cannot be read.
-_TORCH_DEFAULT_TIMEOUT = 1800.0
-
-
-def job_timeout() -> float:
-    """Seconds of the default process group's timeout (the one ``init_process_group`` got)."""
-    pg = dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            backend = pg._get_backend(torch.device(device))
-            return backend.options._timeout.total_seconds()
-        except (RuntimeError, AttributeError):
-            continue
-    return _TORCH_DEFAULT_TIMEOUT
+__all__ = ["GroupPool"]
 
 
 class GroupPool:

@@ -34,6 +34,7 @@ Modules:
 ``online`` (batches whose lengths arrive at run time, e.g. RL rollouts: ``OnlinePlanner``).
 """
 
+from dyncp.data.schedule import OVERLONG, BatchSchedule
 from dyncp.sampler.collate import PackedMicroBatch, PlannedDataset, PlannedItems, ZigzagCollate
 from dyncp.sampler.config import SamplerConfig
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
@@ -45,7 +46,6 @@ from dyncp.sampler.online import (
     RolloutBatch,
 )
 from dyncp.sampler.sampler import DynamicCPSampler
-from dyncp.sampler.schedule import OVERLONG, BatchSchedule
 from dyncp.sampler.sources import SamplerCounters, StepInfo
 
 __all__ = [

@@ -21,12 +21,12 @@ from dyncp.control.agreement import AgreementGroup, PendingAgreement
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
 from dyncp.control.signing import RUN_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
+from dyncp.data.schedule import BatchSchedule
 from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.config import SamplerConfig
 from dyncp.sampler.microbatches import MicroBatchIndices, MicroBatchMeta, rank_microbatches
-from dyncp.sampler.schedule import BatchSchedule
 from dyncp.sampler.sources import LocalPlans, SamplerCounters, StepInfo, StorePlans
 from dyncp.service import (
     Fetched,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dyncp.data.schedule import BatchSchedule
 from dyncp.plan import StepPlan
 from dyncp.planner.budget import StepBudget
 from dyncp.planner.planner import Planner
-from dyncp.sampler.schedule import BatchSchedule
 from dyncp.service import Fetched, PlanClient, PlanService, lookahead_targets, plan_batch
 
 __all__ = ["LocalPlans", "SamplerCounters", "StepInfo", "StorePlans"]

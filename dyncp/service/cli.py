@@ -47,11 +47,11 @@ import torch.distributed as dist
 from dyncp.control.model_channel import ServiceCalibration
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration.online import OnlineCalibrator
+from dyncp.data import OVERLONG, BatchSchedule
 from dyncp.data.readers import DatasetError, load_lengths, resolve_dataset
 from dyncp.plan import Topology
 from dyncp.planner import POLICIES, Planner
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
-from dyncp.sampler import OVERLONG, BatchSchedule
 from dyncp.service.publisher import PlanService
 
 #: How often the main thread checks that the planning thread is alive.

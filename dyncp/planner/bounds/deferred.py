@@ -1,5 +1,7 @@
-"""Lower bounds off the critical path: computed on a worker thread after ``Planner.plan`` has
-handed the plan out, and written into the plan's ``stats`` when done.
+"""Lower bounds off the critical path, computed on a worker thread after the plan is out.
+
+``Planner.plan`` hands the plan out first; the bound is written into the plan's ``stats`` when
+done.
 
 Why: the bounds are a report (how far the plan may be from the best one), and nothing in the
 step waits for them; yet at 16,384 ranks the tight LP bound of 131,072 sequences takes as long

@@ -1,5 +1,7 @@
-"""The rounding bound: per rank, the groups it runs fit in one step, so any dual-feasible
-rounding of their shares of the step does too.
+"""The rounding bound: a lower bound from rounding each group's share of the step.
+
+Per rank, the groups it runs fit in one step, so any dual-feasible rounding of their shares of
+the step does too.
 
 A plan whose step is S seconds, with T = S - o (o the wave overhead), has, under either timing of
 ``dyncp.cost_model.evaluate`` (facts F1 and F2 of ``dyncp.planner.bounds.lp_bound``): every rank's
