@@ -69,9 +69,10 @@ def _entry(rank: int, fn: Callable, world: int, tmp: str, args: tuple, pg_timeou
     out.write_bytes(pickle.dumps(result))
 
 
-def _with_env(rank: int, env: dict[str, str], fn: Callable, args: tuple) -> None:
+def _with_env(rank: int, env: dict[str, str], payload: bytes) -> None:
     os.environ.clear()  # the caller's environment now, not the server's when it started
     os.environ.update(env)
+    fn, args = pickle.loads(payload)
     fn(rank, *args)
 
 
@@ -80,11 +81,13 @@ def start_ranks(fn: Callable[..., Any], *, nprocs: int, args: tuple = ()) -> mp.
 
     The processes are forked from a forkserver that imported ``torch`` and dyncp once, not
     spawned interpreters that import them again: ``fn`` must be importable, as for ``spawn``.
+    ``fn`` and ``args`` travel as one plain pickle (tensors by value): torch's own reductions
+    would send a file descriptor per tensor, and a forkserver takes at most a few hundred.
     """
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
     return mp.start_processes(
         _with_env,
-        args=(dict(os.environ), fn, args),
+        args=(dict(os.environ), pickle.dumps((fn, args))),
         nprocs=nprocs,
         join=False,
         start_method="forkserver",
