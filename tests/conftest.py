@@ -1,10 +1,15 @@
 """Test tiers by folder: tests/unit (one process, by package), tests/multirank (gloo processes),
 tests/examples (the example scripts end to end). Each tier's marker is set from its folder, so
-``pytest -m "not multirank"`` runs the one-process tiers alone.
+``pytest -m "not multirank"`` runs the one-process tiers alone; ``slow`` marks the tests named in
+``SLOW`` (over 5 s on a 2-core machine), so ``pytest -m "not slow"`` is the quick loop.
 
 Property tests (hypothesis) run derandomized: the same examples on every machine and every run,
 so a red CI names a change, not a draw. ``HYPOTHESIS_PROFILE=explore`` draws fresh examples (run
 it when changing a bound or a cost; it is how the xfail in test_lp_bound_exact.py was found).
+
+Torch runs one intra-op thread in the test process and in every process it starts (unless
+``OMP_NUM_THREADS`` is set by the caller): the tests' tensors are tiny, and a second thread
+waiting on a busy core made the torch tests several times slower, on a loaded machine ten times.
 """
 
 import os
@@ -17,8 +22,68 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch is imported: before any test module
+
 TIERS = {"multirank": pytest.mark.multirank, "examples": pytest.mark.examples}
 ROOT = Path(__file__).resolve().parent
+
+# "<path under tests/>::<test function>" (every parametrisation of it); tests/unit/test_markers.py
+# checks that each names a test that exists.
+SLOW = frozenset(
+    {
+        "examples/test_sft_example.py::test_sft_example_runs",
+        "multirank/test_calibration_runtime.py::test_every_rank_switches_model_at_the_same_step_and_runs_one_plan",
+        "multirank/test_calibration_service.py::test_serve_command_calibrates_and_saves_the_profile",
+        "multirank/test_faults.py::test_a_deleted_slice_raises_in_that_step_naming_its_rank",
+        "multirank/test_faults.py::test_a_healthy_step_makes_one_agreement_and_no_store_request",
+        "multirank/test_faults.py::test_every_rank_raises_in_bounded_time_naming_the_culprit",
+        "multirank/test_faults.py::test_forged_and_garbage_plans_fall_back_consistently",
+        "multirank/test_faults.py::test_forged_board_records_are_ignored",
+        "multirank/test_faults.py::test_prefetching_needs_agree_ahead_and_never_hangs",
+        "multirank/test_faults.py::test_sampler_agreement_is_on_by_default_and_names_an_absent_rank",
+        "multirank/test_faults.py::test_tampering_after_rank0_read_raises_in_that_step",
+        "multirank/test_hf.py::test_head_split_with_a_windowed_layer_is_refused_before_any_collective",
+        "multirank/test_hf.py::test_loss_and_gradients_equal_single_process",
+        "multirank/test_hybrid.py::test_hybrid_gradients_equal_single_process",
+        "multirank/test_hybrid_attention.py::test_errors_that_need_process_groups",
+        "multirank/test_hybrid_attention.py::test_every_split_matches_full_attention",
+        "multirank/test_hybrid_attention.py::test_runtime_mixing_rings_all_to_all_and_hybrid_equals_one_process",
+        "multirank/test_menu_runtime.py::test_sizes_3_5_6_on_six_ranks_are_exact",
+        "multirank/test_menu_runtime.py::test_sizes_5_12_and_splits_of_12_on_twelve_ranks_are_exact",
+        "multirank/test_ring_attention.py::test_ring_world_2",
+        "multirank/test_ring_attention.py::test_ring_world_4_switches_cp4_two_cp2_rings_cp4",
+        "multirank/test_ring_attention.py::test_ring_world_8",
+        "multirank/test_runtime.py::test_gradients_equal_single_process",
+        "multirank/test_scan.py::test_state_passing_and_channel_parallel_scans_match_one_process",
+        "multirank/test_service.py::test_a_late_service_never_makes_readers_diverge",
+        "multirank/test_service.py::test_four_gloo_ranks_execute_identical_plans",
+        "multirank/test_service.py::test_serve_command_runs_the_service_standalone",
+        "multirank/test_service.py::test_serve_exits_nonzero_when_its_store_dies",
+        "multirank/test_service.py::test_serve_gives_up_on_a_store_that_never_answers_in_one_line",
+        "multirank/test_service.py::test_serve_stops_on_sigint_while_connecting",
+        "multirank/test_trainer_hf.py::test_trainer_steps_equal_single_process",
+        "multirank/test_trainers.py::test_adamw_steps_equal_single_process",
+        "multirank/test_trainers.py::test_one_step_equals_single_process",
+        "multirank/test_trainers.py::test_pool_on_other_ranks_is_refused",
+        "multirank/test_window.py::test_windowed_ring_matches_per_sequence_reference_cp4_and_cp2",
+        "unit/cost_model/calibration/test_calibration.py::test_any_measurements_give_a_valid_finite_profile",
+        "unit/cost_model/calibration/test_calibration_adversary.py::test_a_step_change_of_the_machine_is_followed_within_eight_steps",
+        "unit/cost_model/calibration/test_calibration_adversary.py::test_lognormal_noise_and_stragglers_are_learned_without_bias",
+        "unit/cost_model/calibration/test_calibration_drift.py::test_a_step_change_under_heavy_noise_is_followed_within_eight_steps",
+        "unit/cost_model/calibration/test_calibration_drift.py::test_noise_alone_triggers_no_following",
+        "unit/observability/test_metrics.py::test_multiprocess_collector_aggregates_every_writer",
+        "unit/plan/test_menu.py::test_a_menu_holding_the_powers_of_two_is_never_slower",
+        "unit/planner/test_cpsat.py::test_deterministic_plans_identical_across_processes",
+        "unit/planner/test_cpsat.py::test_planner_with_cpsat_valid_and_never_worse",
+        "unit/planner/test_cpsat.py::test_scale_wlbllm_4096_sequences_on_512_ranks",
+        "unit/planner/test_laminar.py::test_planner_keeps_the_layout_only_when_faster",
+        "unit/planner/test_policies.py::test_every_policy_gives_a_valid_plan",
+        "unit/planner/test_policies.py::test_same_input_same_plan",
+        "unit/sampler/test_sampler.py::test_resume_at_a_random_point_equals_the_uninterrupted_run",
+        "unit/sim/test_plots.py::test_plot_writes_a_gantt_per_policy_and_the_step_time_plot",
+        "unit/sim/test_sim.py::test_cli_subprocess_bundled_defaults",
+    }
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -27,3 +92,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         mark = TIERS.get(parts[0]) if parts else None
         if mark is not None:
             item.add_marker(mark)
+        name = getattr(item, "originalname", item.name)
+        if f"{'/'.join(parts)}::{name}" in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -5,11 +5,18 @@
 ``worker(rank, world, *args)`` must be importable (a module-level function). Each rank's return
 value comes back (pickled); an exception on any rank fails the whole run with that rank's
 traceback; ranks that do not finish by the deadline are killed and reported.
+
+Ranks are forked from a ``forkserver`` that has imported torch and dyncp once (``start_ranks``):
+a freshly spawned interpreter spends seconds of CPU importing torch before it runs a line, which
+on a small machine was most of a multi-process test's time. Each rank still starts from a clean
+process (the server runs nothing but imports) with the caller's current environment.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import os
 import pickle
 import re
 import tempfile
@@ -23,7 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["CountingStore", "SpawnError", "run_gloo"]
+__all__ = ["CountingStore", "SpawnError", "run_gloo", "start_ranks"]
+
+# What the forkserver imports once, before it forks any rank (a name that fails to import is
+# skipped by multiprocessing): torch and the parts of dyncp that workers use.
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "dyncp.testing.distributed",
+    "dyncp.planner",
+    "dyncp.runtime",
+)
 
 _COMM = re.compile(r"connectFullMesh|Connection (closed|reset)|timed out|Timed out", re.IGNORECASE)
 
@@ -52,6 +69,31 @@ def _entry(rank: int, fn: Callable, world: int, tmp: str, args: tuple, pg_timeou
     out.write_bytes(pickle.dumps(result))
 
 
+def _with_env(rank: int, env: dict[str, str], payload: bytes) -> None:
+    os.environ.clear()  # the caller's environment now, not the server's when it started
+    os.environ.update(env)
+    fn, args = pickle.loads(payload)
+    fn(rank, *args)
+
+
+def start_ranks(fn: Callable[..., Any], *, nprocs: int, args: tuple = ()) -> mp.ProcessContext:
+    """Start ``fn(rank, *args)`` on ``nprocs`` processes without waiting (``join=False``).
+
+    The processes are forked from a forkserver that imported ``torch`` and dyncp once, not
+    spawned interpreters that import them again: ``fn`` must be importable, as for ``spawn``.
+    ``fn`` and ``args`` travel as one plain pickle (tensors by value): torch's own reductions
+    would send a file descriptor per tensor, and a forkserver takes at most a few hundred.
+    """
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
+    return mp.start_processes(
+        _with_env,
+        args=(dict(os.environ), pickle.dumps((fn, args))),
+        nprocs=nprocs,
+        join=False,
+        start_method="forkserver",
+    )
+
+
 def run_gloo(
     fn: Callable[..., Any],
     *,
@@ -67,13 +109,7 @@ def run_gloo(
         pg_timeout: the process group's own timeout (bounds any blocked collective).
     """
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _entry,
-            args=(fn, world, tmp, args, pg_timeout),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
+        ctx = start_ranks(_entry, nprocs=world, args=(fn, world, tmp, args, pg_timeout))
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=0.5):
             if time.monotonic() > deadline:

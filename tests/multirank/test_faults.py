@@ -39,7 +39,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dyncp.control.agreement import PlanAgreementError, PlanMismatchError
 from dyncp.control.signing import PlanSigner
@@ -49,7 +48,7 @@ from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, StepFailed, execute, reduce_loss
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import plan_batch, slice_key, step_key
-from dyncp.testing.distributed import CountingStore
+from dyncp.testing.distributed import CountingStore, start_ranks
 
 WORLD, CAPACITY = 4, 1024
 T = 1.5  # the job's process-group timeout in every scenario
@@ -495,9 +494,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     attacker = threading.Thread(target=_attack, args=(master, stop), daemon=True)
     attacker.start()
     os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.start_processes(
-        _chaos, args=(str(tmp), master.port), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_chaos, nprocs=WORLD, args=(str(tmp), master.port))
     deadline = time.monotonic() + 120
     try:  # not ctx.join(): it would terminate the others when rank 2 is killed, by design
         while any(p.is_alive() for p in ctx.processes):

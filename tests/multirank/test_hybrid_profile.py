@@ -79,6 +79,7 @@ def _measure_worker(rank: int, world: int) -> list[tuple[int, float]]:
     return points[2]
 
 
+@pytest.mark.timeout(150)
 def test_all_to_all_is_measured_on_two_gloo_ranks() -> None:
     first, second = run_gloo(_measure_worker, world=2, timeout=120)
     cfg = MODELS["tiny"]
@@ -107,6 +108,7 @@ def _two_process_profile(tmp_path: Path) -> Path:
     return src
 
 
+@pytest.mark.timeout(210)
 def test_all_to_all_alone_keeps_every_other_number(tmp_path: Path) -> None:
     src = _two_process_profile(tmp_path)
     out = tmp_path / "out.json"
@@ -121,6 +123,7 @@ def test_all_to_all_alone_keeps_every_other_number(tmp_path: Path) -> None:
     Profile.from_json(out.read_text())
 
 
+@pytest.mark.timeout(270)
 def test_all_to_all_alone_refuses_another_set_up(tmp_path: Path) -> None:
     src = _two_process_profile(tmp_path)
     data = json.loads(src.read_text())
@@ -128,9 +131,13 @@ def test_all_to_all_alone_refuses_another_set_up(tmp_path: Path) -> None:
     four = tmp_path / "four.json"
     four.write_text(json.dumps(data))
     with pytest.raises(SpawnError, match="measured with 4 processes x 1 threads; this run has 2"):
-        run_gloo(_into_worker, world=2, args=(str(four), str(tmp_path / "x"), "float32"))
+        run_gloo(
+            _into_worker, world=2, args=(str(four), str(tmp_path / "x"), "float32"), timeout=120
+        )
     with pytest.raises(SpawnError, match="not --model tiny in float64"):
-        run_gloo(_into_worker, world=2, args=(str(src), str(tmp_path / "x"), "float64"))
+        run_gloo(
+            _into_worker, world=2, args=(str(src), str(tmp_path / "x"), "float64"), timeout=120
+        )
 
 
 def test_all_to_all_alone_needs_torchrun(capsys: pytest.CaptureFixture[str]) -> None:

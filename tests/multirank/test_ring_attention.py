@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dyncp.ring_attention import (
     BlockSpec,
@@ -36,6 +35,7 @@ from dyncp.ring_attention import (
     zigzag_shard,
     zigzag_token_index,
 )
+from dyncp.testing.distributed import start_ranks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -385,9 +385,7 @@ def _worker(rank: int, world: int, tmp: str, plan: list) -> None:
 
 def _spawn(world: int, tmp: Path, plan: list) -> list[dict]:
     """Run ``plan`` on ``world`` spawned gloo ranks; fail (not hang) if they do not finish."""
-    ctx = mp.start_processes(
-        _worker, args=(world, str(tmp), plan), nprocs=world, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_worker, nprocs=world, args=(world, str(tmp), plan))
     deadline = time.monotonic() + 4 * HANG_SECONDS
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -436,6 +434,7 @@ def _ids(start: int, count: int) -> list[int]:
     return [(start + i) % NUM_CASES for i in range(count)]
 
 
+@pytest.mark.timeout(150)
 def test_ring_world_2(case_dir: Path) -> None:
     tmp = case_dir / "w2"
     tmp.mkdir()
@@ -443,6 +442,7 @@ def test_ring_world_2(case_dir: Path) -> None:
     _check(_spawn(2, tmp, plan), 2)
 
 
+@pytest.mark.timeout(150)
 def test_ring_world_4_switches_cp4_two_cp2_rings_cp4(case_dir: Path) -> None:
     tmp = case_dir / "w4"
     tmp.mkdir()
@@ -454,6 +454,7 @@ def test_ring_world_4_switches_cp4_two_cp2_rings_cp4(case_dir: Path) -> None:
     _check(_spawn(4, tmp, plan), 4)
 
 
+@pytest.mark.timeout(150)
 def test_ring_world_8(case_dir: Path) -> None:
     tmp = case_dir / "w8"
     tmp.mkdir()

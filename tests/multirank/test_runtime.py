@@ -116,6 +116,7 @@ def _train_worker(rank: int, world: int, cases: list[tuple[str, int, bool]]) -> 
     return out
 
 
+@pytest.mark.timeout(270)
 def test_gradients_equal_single_process() -> None:
     plans = [(hand_plan(), 1)]
     plans += [(planned("dyncp", seed), seed) for seed in (2, 3, 4)]
@@ -154,6 +155,7 @@ def _refuse_worker(rank: int, world: int, plans: list[str], sizes: tuple[int, ..
     return messages
 
 
+@pytest.mark.timeout(150)
 def test_wrong_plans_refused_before_any_collective() -> None:
     good = hand_plan()
     missing = StepPlan(good.topology, (*good.lengths, 5), good.waves)  # sequence 8 never runs
@@ -188,6 +190,7 @@ def _fail_worker(
     return "no error", []
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("bad_rank,bad_wave", [(3, 1), (1, 1)], ids=["single-rank", "ring-peer"])
 def test_failing_step_fails_every_rank(bad_rank: int, bad_wave: int) -> None:
     # (1, 1): rank 1's ring peer (rank 0) blocks on it and is released by the gloo timeout.
@@ -207,6 +210,7 @@ def test_failing_step_fails_every_rank(bad_rank: int, bad_wave: int) -> None:
         assert ranks == [bad_rank]
 
 
+@pytest.mark.timeout(90)
 def test_spawn_error_reports_the_rank() -> None:
     with pytest.raises(SpawnError, match="rank 1 raised"):
         run_gloo(_raise_on_one, world=2, timeout=60)
@@ -222,6 +226,7 @@ def _subset_pool(rank: int, world: int) -> tuple:
     return pool.position, pool.store is not None
 
 
+@pytest.mark.timeout(150)
 def test_a_pool_over_part_of_the_job_builds_on_every_rank() -> None:
     results = run_gloo(_subset_pool, world=WORLD, timeout=120)
     assert results == [(0, True), (1, True), (None, False), (None, False)]

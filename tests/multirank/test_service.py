@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dyncp.control.signing import (
     FALLBACK,
@@ -49,6 +48,7 @@ from dyncp.service import (
     step_key,
 )
 from dyncp.service.cli import main as serve_main
+from dyncp.testing.distributed import start_ranks
 
 WORLD, CAPACITY = 4, 1024
 HANG_SECONDS = 60
@@ -298,6 +298,7 @@ def test_samplers_in_store_mode_share_the_service_plans(master) -> None:
     assert all(ranks == set(range(k[2], k[2] + len(ranks))) for k, ranks in where.items())
 
 
+@pytest.mark.timeout(150)
 def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> None:
     lengths = make_lengths(seed=5)
     np.save(tmp_path / "lengths.npy", lengths)
@@ -461,13 +462,12 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
 
 
+@pytest.mark.timeout(210)
 def test_four_gloo_ranks_execute_identical_plans(
     master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks importing torch on a small machine
-    ctx = mp.start_processes(
-        _worker, args=(master.port, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_worker, nprocs=WORLD, args=(master.port, str(tmp_path)))
     deadline = time.monotonic() + 3 * HANG_SECONDS
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -702,6 +702,7 @@ def test_a_bad_cursor_rewritten_every_few_ms_logs_one_line(master, caplog) -> No
     assert len(lines) == 1, [r.getMessage() for r in lines]
 
 
+@pytest.mark.timeout(150)
 def test_without_a_secret_the_channel_warns_once(monkeypatch) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
@@ -711,10 +712,14 @@ def test_without_a_secret_the_channel_warns_once(monkeypatch) -> None:
     code = "from dyncp.control.signing import PlanSigner\nfor _ in range(3): PlanSigner.from_env()"
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     env.pop("PYTHONWARNINGS", None)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
     assert run.returncode == 0 and run.stderr.count("UNAUTHENTICATED") == 1, run.stderr
     env[SECRET_ENV] = SECRET.decode()
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
     assert run.returncode == 0 and "UNAUTHENTICATED" not in run.stderr, run.stderr
 
 
@@ -788,6 +793,7 @@ def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
     assert status == 2 and len(err) == 1 and "longer than" in err[0], err
 
 
+@pytest.mark.timeout(120)
 def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
     np.save(tmp_path / "lengths.npy", make_lengths())
     store_proc = subprocess.Popen(

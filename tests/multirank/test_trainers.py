@@ -303,6 +303,7 @@ def test_one_step_equals_single_process(results: list[dict], case: int) -> None:
             assert calls == {"all_gather_single": 0, "reduce_scatter_single": 0}
 
 
+@pytest.mark.timeout(300)
 def test_pool_on_other_ranks_is_refused(results: list[dict]) -> None:
     for rank in range(WORLD):
         assert "FSDP mesh spans ranks [0, 1, 2, 3]" in results[rank]["refused"]
