@@ -140,7 +140,12 @@ def render(root: Path = ROOT) -> str:
         rows += [
             _data_row(d)
             for d in sorted(folder.iterdir())
-            if d.is_dir() and not (d / "__init__.py").exists() and d.name != "__pycache__"
+            # A folder git would not carry (empty, or caches only) is no package data: a fresh
+            # clone has no such folder, so the page must not name it.
+            if d.is_dir()
+            and not (d / "__init__.py").exists()
+            and d.name != "__pycache__"
+            and any(f.is_file() for f in d.iterdir())
         ]
         if rows:
             out += ["", "| Module | What it is |", "| --- | --- |", *rows]
