@@ -22,9 +22,7 @@ def padding_multiple(cp: int) -> int:
 
 def padded_length(length: int, cp: int) -> int:
     """Tokens a sequence occupies in a group of ``cp`` ranks: a multiple of 2*cp when cp > 1."""
-    if cp == 1:
-        return int(length)
-    unit = 2 * cp
+    unit = padding_multiple(cp)
     return -(-int(length) // unit) * unit
 
 
@@ -32,6 +30,6 @@ def padded_lengths(lengths: object, cp: int) -> np.ndarray:
     """``padded_length`` of each of ``lengths`` (an int64 array; ``lengths`` as int64 at cp 1)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if cp == 1:
-        return lengths
-    unit = 2 * cp
+        return lengths  # as given (no copy): nothing to pad
+    unit = padding_multiple(cp)
     return -(-lengths // unit) * unit
