@@ -82,9 +82,5 @@ class PlanStats(dict[str, Any]):
     #: The typed fields, in the order above.
     FIELDS: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict of the same keys and values (shallow)."""
-        return dict(self)
-
 
 PlanStats.FIELDS = tuple(k for k, v in vars(PlanStats).items() if isinstance(v, _Field))
