@@ -132,6 +132,10 @@ class MeasurementChannel:
         prefix: job namespace.
         max_pending: records kept for a service that has not drained them yet.
         signer: seals and opens the records (default: the job's secret from the environment).
+        grace: seconds a drain waits for a record whose number was taken but that is not
+            written yet (``push`` takes the number, then writes the record: a drain between the
+            two sees the gap). Past it the pusher is taken to have died in between, and the
+            record is counted in ``lost``.
     """
 
     def __init__(
@@ -140,13 +144,17 @@ class MeasurementChannel:
         prefix: str,
         max_pending: int = 256,
         signer: PlanSigner | None = None,
+        grace: float = 30.0,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.max_pending = max_pending
         self.signer = signer or PlanSigner.from_env()
+        self.grace = grace
+        self.lost = 0
         self._next_key = store_key(prefix, "meas", "next")
         self._read = 0
+        self._gap: tuple[int, float] | None = None  # (record awaited, since when)
 
     def _record_key(self, n: int) -> str:
         return store_key(self.prefix, "meas", str(n))
@@ -167,16 +175,29 @@ class MeasurementChannel:
                 self.store.delete_key(self._record_key(old))
 
     def drain(self, calibrator: OnlineCalibrator) -> ModelVersion | None:
-        """Feed every record pushed since the last drain to ``calibrator``; the newest version
-        it adopted, or None. Records are deleted once read."""
+        """Feed every record pushed since the last drain to ``calibrator``, in push order; the
+        newest version it adopted, or None. Records are deleted once read.
+
+        A record not written yet stops the drain there: the next drain starts from it (one
+        pushed between the counter and the write is read then, not skipped), and gives up on it
+        after ``grace`` seconds (counted in ``lost``, as are records the pusher evicted unread)."""
         newest = int(self.store.add(self._next_key, 0))
         if newest < self._read:  # the counter restarted: a new job under the same prefix
-            self._read = 0
+            self._read, self._gap = 0, None
         adopted = None
-        for n in range(max(self._read + 1, newest - self.max_pending + 1), newest + 1):
+        first = max(self._read + 1, newest - self.max_pending + 1)
+        evicted = first - self._read - 1  # the pusher deleted them before any drain read them
+        if evicted > 0:
+            self.lost += evicted
+            log.warning("%d measurement records evicted before they were drained", evicted)
+        for n in range(first, newest + 1):
             key = self._record_key(n)
             if not self.store.check([key]):
+                if self._waits_for(n):
+                    break
+                self._read = n
                 continue
+            self._read, self._gap = n, None
             raw = self.store.get(key)
             with contextlib.suppress(RuntimeError, NotImplementedError):  # Store without delete
                 self.store.delete_key(key)
@@ -187,8 +208,19 @@ class MeasurementChannel:
                 continue
             new = calibrator.observe_record(raw)
             adopted = new or adopted
-        self._read = newest
         return adopted
+
+    def _waits_for(self, n: int) -> bool:
+        """Whether the drain should wait for missing record ``n`` (False: count it lost)."""
+        now = time.monotonic()
+        if self._gap is None or self._gap[0] != n:
+            self._gap = (n, now)
+        if now - self._gap[1] < self.grace:
+            return True
+        self._gap = None
+        self.lost += 1
+        log.warning("measurement record %d never arrived within %.0f s; skipped", n, self.grace)
+        return False
 
 
 class ServiceCalibration:
