@@ -4,6 +4,7 @@ Modules:
 ``contract`` (StepPlan, Wave, Group, MicroBatch, validate(), the plan digest),
 ``topology`` (Topology: the ranks, the allowed group sizes and head splits, what fits),
 ``padding`` (the zigzag padding rule: a multiple of 2c over c ranks),
+``passes`` (a plan read as lockstep forward+backward passes; empty passes; pass-aligned),
 ``errors`` (PlanError, naming the broken rule),
 ``stats`` (PlanStats: what produced a plan, typed fields),
 ``codec`` (plan JSON: schema versions, the hardened decoding of untrusted documents),
@@ -28,6 +29,7 @@ from dyncp.plan.menu import (
     split_allowed,
 )
 from dyncp.plan.padding import padded_length, padded_lengths, padding_multiple
+from dyncp.plan.passes import Pass, PassSchedule, pass_schedule
 from dyncp.plan.slice import (
     HASH_BYTES,
     PlanSlice,
@@ -52,6 +54,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "Group",
     "MicroBatch",
+    "Pass",
+    "PassSchedule",
     "PlanError",
     "PlanSlice",
     "PlanStats",
@@ -72,6 +76,7 @@ __all__ = [
     "padded_length",
     "padded_lengths",
     "padding_multiple",
+    "pass_schedule",
     "placements",
     "plan_digest",
     "pool_blocks",
