@@ -178,7 +178,12 @@ def _store_worker(rank: int, world: int) -> dict:
         if rank == 0 and step == 3:  # let the service drain and refit before planning on
             end = time.monotonic() + 30
             while ModelChannel(store, "cal", signer=signer).latest() is None:
-                assert time.monotonic() < end, "no refit adopted"
+                assert time.monotonic() < end, (
+                    f"no refit adopted: refits {calibrator.refits}, measurements "
+                    f"{calibrator.buffer.seen}, failures {calibrator.failures}, refused "
+                    f"{calibrator.refused}, adopted {[a for _, a in calibrator.history]}, "
+                    f"service alive {service.alive}, failure {service.failure!r}"
+                )
                 time.sleep(0.01)
         dist.barrier()
         out["digests"].append(plan_digest(plan))

@@ -148,7 +148,12 @@ def test_service_refits_from_pushed_measurements_and_prices_plans_with_the_new_v
         push_slower_steps(MeasurementChannel(store, "job", signer=signer), 3, seed=1)
         end = time.monotonic() + 20
         while ModelChannel(store, "job", signer=signer).latest() is None:
-            assert time.monotonic() < end, "the service never adopted a refit"
+            assert time.monotonic() < end, (
+                f"the service never adopted a refit: refits {calibrator.refits}, measurements "
+                f"{calibrator.buffer.seen}, failures {calibrator.failures}, refused "
+                f"{calibrator.refused}, adopted {[a for _, a in calibrator.history]}, service "
+                f"alive {service.alive}, failure {service.failure!r}"
+            )
             time.sleep(0.01)
         later = reader.fetch(0, 2)  # planned after the new version was adopted
     assert later.source == "service" and later.plan.stats["model_version"] == 1
