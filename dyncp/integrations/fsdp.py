@@ -78,54 +78,30 @@ under some ``fully_shard`` module.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from dyncp.integrations.axis import check_same_ranks
+from dyncp.integrations.fsdp_layout import (
+    Slot,
+    Unit,
+    check_root,
+    own_parameters,
+    trainable_flags,
+    units,
+)
 from dyncp.plan import StepPlan
 from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
 from dyncp.runtime.reduce import naming_failures
 
 __all__ = ["FSDPRunner"]
 
-
-@dataclass(slots=True)
-class _Slot:
-    """One trainable parameter's place in its unit's reduce-scatter buffer.
-
-    The parameter's ``rows`` (dim 0) are split as FSDP2 shards them, ``chunk`` rows per rank
-    (ceil(rows / W); the last ranks hold fewer, possibly none); rank r's chunk, padded to ``chunk``
-    rows, sits at ``offset`` inside rank r's segment of the buffer.
-    """
-
-    name: str
-    sharded: nn.Parameter  # the DTensor parameter the optimizer holds
-    rows: int
-    row_numel: int
-    chunk: int
-    offset: int
-
-    @property
-    def numel(self) -> int:  # elements of one rank's padded chunk
-        return self.chunk * self.row_numel
-
-
-@dataclass(slots=True)
-class _Unit:
-    """One ``fully_shard`` module: its own parameters (not those of units nested in it)."""
-
-    module: FSDPModule
-    slots: list[_Slot]
-    segment: int  # elements of one rank's segment of the buffer
-    group: dist.ProcessGroup
-    device: torch.device
+# The layout helpers under the names they had here (other FSDP runners import them).
+_Slot, _Unit, _own_parameters, _units = Slot, Unit, own_parameters, units
 
 
 class FSDPRunner:
@@ -147,9 +123,11 @@ class FSDPRunner:
                 f"FSDPRunner needs the root module sharded with fully_shard (and its blocks); "
                 f"got a {type(model).__name__} that is not an FSDPModule"
             )
+        check_root(model)
         self.model = model
         self.reduce_dtype = reduce_dtype
         self._units = _units(model)  # those with trainable parameters: one reduce-scatter each
+        self._trainable = trainable_flags(model)  # what _units was built from
         # every fully_shard module, frozen ones too: a forward through a sharded one would gather
         self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._hooks: list = []
@@ -185,8 +163,16 @@ class FSDPRunner:
             StepFailed: also from the reduce-scatter, when a rank failed the step in a group
                 this rank was not in (``execute`` has no barrier between waves).
         """
+        if trainable_flags(self.model) != self._trainable:  # frozen or unfrozen since the last step
+            self._units = _units(self.model)
+            self._trainable = trainable_flags(self.model)
         for unit in self._units:
-            check_same_ranks(unit.group, pool, what="the FSDP mesh")
+            if sorted(unit.dp_ranks) != sorted(pool.ranks):
+                raise ValueError(
+                    f"the FSDP mesh spans ranks {sorted(unit.dp_ranks)}, the pool's DP x CP axis "
+                    f"ranks {sorted(pool.ranks)}; gradients must be summed over exactly the "
+                    f"plan's ranks"
+                )
         buffers = self._unshard()
         try:
             report = execute(
@@ -221,7 +207,7 @@ class FSDPRunner:
             dtype = self.reduce_dtype or unit.slots[0].sharded.dtype
             flat = torch.zeros(world * unit.segment, dtype=dtype, device=unit.device)
             buffers.append(flat)
-            params = dict(_own_parameters(unit.module))
+            params = dict(own_parameters(unit.module))
             for slot in unit.slots:
                 param = params[slot.name]  # the unsharded parameter forward uses
                 view = flat.as_strided((world, slot.numel), (unit.segment, 1), slot.offset)
@@ -229,14 +215,21 @@ class FSDPRunner:
         return buffers
 
     def _reduce(self, buffers: list[torch.Tensor]) -> None:
-        """One reduce-scatter (SUM) per unit, into the shards; then the shards' ``.grad``."""
+        """One reduce-scatter (SUM) per unit into its shard (HSDP: then one all-reduce over the
+        replicate dim); then the shards' ``.grad``."""
         works, outputs = [], []
         for unit, flat in zip(self._units, buffers):
             out = flat.new_empty(unit.segment)
             works.append(_reduce_scatter(out, flat, group=unit.group, async_op=True))
             outputs.append(out)
+        replicas = []
         for unit, work, out in zip(self._units, works, outputs):
             work.wait()
+            if unit.replicate is not None:
+                replicas.append(dist.all_reduce(out, group=unit.replicate, async_op=True))
+        for work in replicas:
+            work.wait()
+        for unit, out in zip(self._units, outputs):
             me = unit.group.rank()
             for slot in unit.slots:
                 local_rows = min(max(slot.rows - me * slot.chunk, 0), slot.chunk)
@@ -261,7 +254,7 @@ class FSDPRunner:
             hook.remove()
         self._hooks.clear()
         for module in self._modules:
-            for _, param in _own_parameters(module):
+            for _, param in own_parameters(module):
                 param.grad = None  # an unsharded gradient left by a failed step
             module.reshard()
             module.set_requires_gradient_sync(True, recurse=False)
@@ -278,91 +271,21 @@ def _reduce_scatter(
     return fn(out, flat, group=group, async_op=async_op)
 
 
-def _adder(slot: _Slot, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+def _adder(slot: Slot, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """The hook that moves a fresh unsharded gradient into the unit's buffer (padded layout)."""
     full = slot.rows // slot.chunk  # ranks whose chunk is full
     rest = slot.rows - full * slot.chunk
 
     def add(param: torch.Tensor) -> None:
-        grad = param.grad.reshape(slot.rows * slot.row_numel)
+        grad = param.grad
+        if isinstance(grad, DTensor):  # a tensor-parallel parameter: its TP rank's shard
+            if grad.placements != param.placements:  # e.g. Partial: as FSDP2 does, redistribute
+                grad = grad.redistribute(placements=param.placements)
+            grad = grad.to_local()
+        grad = grad.reshape(slot.rows * slot.row_numel)
         view[:full].add_(grad[: full * slot.numel].view(full, slot.numel))
         if rest:
             view[full, : rest * slot.row_numel].add_(grad[full * slot.numel :])
         param.grad = None
 
     return add
-
-
-def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``module``'s own ``fully_shard`` manages (not those of nested units)."""
-    nested = [
-        prefix + "."
-        for prefix, sub in module.named_modules()
-        if sub is not module and isinstance(sub, FSDPModule)
-    ]
-    return [
-        (name, param)
-        for name, param in module.named_parameters()
-        if not any(name.startswith(p) for p in nested)
-    ]
-
-
-def _units(model: nn.Module) -> list[_Unit]:
-    """Every FSDP unit under ``model`` (``named_modules`` order) and its trainable parameters."""
-    units, seen = [], set()
-    for path, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        slots, offset, group, device = [], 0, None, None
-        for name, param in _own_parameters(module):
-            seen.add(id(param))
-            if not param.requires_grad:
-                continue
-            where = f"{path}.{name}" if path else name
-            mesh = _check_sharding(where, param)
-            group, device = mesh.get_group(), param.to_local().device
-            world = mesh.size()
-            if param.dim() == 0 or param.shape[0] == 0:
-                raise ValueError(
-                    f"parameter {where!r} has shape {tuple(param.shape)}; FSDPRunner shards "
-                    f"parameters along a non-empty dim 0"
-                )
-            rows = param.shape[0]
-            chunk = -(-rows // world)
-            slot = _Slot(name, param, rows, math.prod(param.shape[1:]), chunk, offset)
-            expected = min(max(rows - mesh.get_local_rank() * chunk, 0), chunk)
-            if param.to_local().shape[0] != expected:
-                raise ValueError(
-                    f"parameter {where!r}: local shard has {param.to_local().shape[0]} rows, "
-                    f"FSDP2's even Shard(0) split gives {expected}; only the default sharding is "
-                    f"supported"
-                )
-            slots.append(slot)
-            offset += slot.numel
-        if slots:
-            units.append(_Unit(module, slots, offset, group, device))
-    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-    if stray:
-        raise ValueError(
-            f"trainable parameters outside every fully_shard module: {stray[:5]}; shard the root "
-            f"module too (fully_shard(model)) so each parameter has one owner"
-        )
-    if not units:
-        raise ValueError("the model has no trainable parameter under fully_shard")
-    return units
-
-
-def _check_sharding(where: str, param: nn.Parameter):
-    """The parameter's 1-D mesh, after checking it is sharded the way this runner expects."""
-    if not isinstance(param, DTensor):
-        raise ValueError(
-            f"parameter {where!r} is not sharded (not a DTensor); call FSDPRunner after "
-            f"fully_shard, with the parameters resharded (outside a forward)"
-        )
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-        raise ValueError(
-            f"parameter {where!r} is placed {tuple(param.placements)} on a {mesh.ndim}-D mesh; "
-            f"FSDPRunner supports fully_shard on a 1-D mesh with the default Shard(0) placement"
-        )
-    return mesh
