@@ -71,9 +71,31 @@ Settings this runner owns: during a step it sets every unit's reshard-after-forw
 to False and gradient sync off; after the step it restores gradient sync and resharding after
 backward, and sets resharding after forward back to FSDP2's default (True, except the root).
 
-Requirements (checked, with a clear error): FSDP2 (``fully_shard``) on a 1-D mesh with the default
-``Shard(0)`` placement, on the same ranks as the pool's DP x CP axis; every trainable parameter
-under some ``fully_shard`` module.
+2-D meshes. **HSDP** (``fully_shard(..., mesh=replicate x shard mesh)``, placements
+``(Replicate(), Shard(0))``): every rank of the mesh is one DP x CP rank of the plan (a pool over
+all of them); each unit's buffer is reduce-scattered over the shard dim, then all-reduced over the
+replicate dim (one all-gather over the shard dim, one reduce-scatter and one all-reduce per unit).
+**FSDP2 + tensor parallel** (``parallelize_module(block, mesh["tp"], plan)`` in each block, then
+``fully_shard(..., mesh=mesh["dp_cp"])``): the TP ranks of one DP x CP position run the same
+micro-batches, so the plan's world is the ``dp_cp`` size and each TP index has its own
+:class:`GroupPool` over the ranks with that index (built by every rank, in the same order; for
+a row-major ``("dp_cp", "tp")`` mesh ``[GroupPool(ranks=range(t, world, tp)) for t in
+range(tp)]``); dyncp schedules only the DP x CP axis, and ring attention runs over the TP
+rank's local heads. A TP parameter's gradient stays on its TP rank (its local shard, as FSDP2
+reduces it); the reduce-scatter is over the ``dp_cp`` dim only. The layout is read from each
+sharded parameter's placements (:mod:`dyncp.integrations.fsdp_layout`).
+
+Trainable parameters may change between steps: each step re-reads ``requires_grad`` and, when
+the set changed (a stage frozen or unfrozen), rebuilds the units' layout, so an unfrozen
+parameter gets its gradient and a frozen one none.
+
+Requirements (checked, with a clear error): the FSDP2 root (``fully_shard`` applied to it; not a
+unit inside another ``fully_shard`` module); FSDP2's dim-0 sharding (no ``shard_placement_fn``
+on other dims) on a 1-D mesh ``(Shard(0),)``, an HSDP mesh ``(Replicate(), Shard(0))``, or
+either followed by tensor-parallel dims whose placements are ``Replicate()`` or ``Shard(d)``;
+the DP dims' ranks (shard x replicate) are the pool's DP x CP axis; every trainable parameter
+under some ``fully_shard`` module. Not supported: FSDP2's SPMD path (``dp_mesh_dims``) with
+model-parallel dims before the DP dims, ``Partial`` parameters.
 """
 
 from __future__ import annotations
@@ -108,13 +130,15 @@ class FSDPRunner:
     """Runs dyncp step plans on an FSDP2 model with one all-gather and one reduce-scatter per unit.
 
     Args:
-        model: the root module; ``fully_shard`` applied to its blocks and to itself.
+        model: the FSDP2 root module; ``fully_shard`` applied to its blocks and to itself, on a
+            1-D, HSDP or DP x TP mesh (see the module docstring).
         reduce_dtype: dtype the gradients are accumulated and reduced in (default: each sharded
             parameter's dtype, i.e. the master weights'; fp32 under a bf16 mixed-precision policy).
 
     Raises:
-        ValueError: the model is not an FSDP2 model, uses a mesh or placement this runner does not
-            support, or has trainable parameters outside every ``fully_shard`` module.
+        ValueError: the model is not an FSDP2 model or not its root, uses a mesh or placement
+            this runner does not support, or has trainable parameters outside every
+            ``fully_shard`` module.
     """
 
     def __init__(self, model: nn.Module, *, reduce_dtype: torch.dtype | None = None) -> None:
@@ -151,15 +175,17 @@ class FSDPRunner:
     ) -> RankReport:
         """Run this rank's share of ``plan``; on return the sharded parameters hold the gradients.
 
-        The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh, which
-        must be the pool's DP x CP axis. ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
+        The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh,
+        whose DP dims must be the pool's DP x CP axis (under TP: the pool of this TP index).
+        ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
 
         Whatever ``execute`` raises (PlanMismatchError, PlanError, StepFailed) passes through;
         then no gradient is written, the parameters are resharded locally (no collective) and
         the accumulated gradients are dropped. ``agree=False`` as in ``execute``.
 
         Raises:
-            ValueError: the FSDP mesh is not on the pool's ranks.
+            ValueError: the FSDP mesh is not on the pool's ranks, or a parameter (un)frozen since
+                the last step is sharded in a way the runner does not support.
             StepFailed: also from the reduce-scatter, when a rank failed the step in a group
                 this rank was not in (``execute`` has no barrier between waves).
         """
