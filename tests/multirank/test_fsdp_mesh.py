@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
     RowwiseParallel,
@@ -134,9 +134,28 @@ def _worker(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
         out["adam"][how] = full_params(model)
+    out["refused"] = _refusals(pool, meshes["tp"], init_device_mesh("cpu", (world,)))
     out["frozen"] = _freeze_after_build(pool, init_device_mesh("cpu", (world,)))
     out["unit"] = _unit_refused(pool, init_device_mesh("cpu", (world,)))
     return out
+
+
+def _refusals(pool: GroupPool, tp_mesh, mesh) -> list[str]:
+    """The errors of a TP model stepped with the whole job's pool (not its TP index's) and of a
+    model sharded along dim 1 (``shard_placement_fn``)."""
+    errors = []
+    model = wrap_2d("tp", "llama", tp_mesh)
+    try:
+        FSDPRunner(model).step(TP_PLANS["idle-wave"], pool, lambda ctx: None)
+    except ValueError as exc:
+        errors.append(str(exc))
+    model = make_model("tiny")
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    try:
+        FSDPRunner(model)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
 
 
 def _freeze_after_build(pool: GroupPool, mesh) -> dict:
@@ -281,3 +300,14 @@ def test_a_unit_is_refused_as_the_runner_model(results: list[dict]) -> None:
             assert "FSDPRunner needs the FSDP2 root module" in error
             assert "unit inside" in error
         assert "TinyDecoder" in errors[0]  # found by walking up the module tree
+
+
+@pytest.mark.timeout(480)
+def test_wrong_pool_and_unsupported_sharding_are_refused(results: list[dict]) -> None:
+    for rank in range(WORLD):
+        pool_error, dim1_error = results[rank]["refused"]
+        dp = sorted(range(rank % TP, WORLD, TP))  # this TP index's DP x CP ranks
+        assert f"FSDP mesh spans ranks {dp}" in pool_error, pool_error
+        assert "pool's DP x CP axis ranks [0, 1, 2, 3]" in pool_error
+        assert "is placed (Shard(dim=1),)" in dim1_error, dim1_error
+        assert "FSDPRunner supports fully_shard's dim-0 sharding" in dim1_error
