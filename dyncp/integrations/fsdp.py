@@ -95,7 +95,8 @@ on other dims) on a 1-D mesh ``(Shard(0),)``, an HSDP mesh ``(Replicate(), Shard
 either followed by tensor-parallel dims whose placements are ``Replicate()`` or ``Shard(d)``;
 the DP dims' ranks (shard x replicate) are the pool's DP x CP axis; every trainable parameter
 under some ``fully_shard`` module. Not supported: FSDP2's SPMD path (``dp_mesh_dims``) with
-model-parallel dims before the DP dims, ``Partial`` parameters.
+model-parallel dims before the DP dims, ``Partial`` parameters. Tested on gloo: 1-D, HSDP
+2 x 2 and DP-CP 2 x TP 2; HSDP with TP (a 3-D mesh) passes the checks but is untested.
 """
 
 from __future__ import annotations
