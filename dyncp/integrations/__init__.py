@@ -2,6 +2,8 @@
 
 ``dyncp.integrations.hf``: Hugging Face ``transformers`` causal LMs (``pip install dyncp[hf]``).
 ``dyncp.integrations.fsdp``: step plans on FSDP2 (``fully_shard``) models, ``FSDPRunner``.
+``dyncp.integrations.fsdp_layout``: where each FSDP2 parameter's gradient goes in its unit's
+reduce-scatter (1-D, HSDP and DP x TP meshes), and the FSDP2 root check.
 ``dyncp.integrations.ddp``: step plans on ``DistributedDataParallel`` models, ``DDPRunner``.
 ``dyncp.integrations.trainer``: ``transformers.Trainer`` with dyncp steps, ``DynCPTrainer``
 (``pip install dyncp[trainer]``).

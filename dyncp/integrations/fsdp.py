@@ -71,74 +71,75 @@ Settings this runner owns: during a step it sets every unit's reshard-after-forw
 to False and gradient sync off; after the step it restores gradient sync and resharding after
 backward, and sets resharding after forward back to FSDP2's default (True, except the root).
 
-Requirements (checked, with a clear error): FSDP2 (``fully_shard``) on a 1-D mesh with the default
-``Shard(0)`` placement, on the same ranks as the pool's DP x CP axis; every trainable parameter
-under some ``fully_shard`` module.
+2-D meshes. **HSDP** (``fully_shard(..., mesh=replicate x shard mesh)``, placements
+``(Replicate(), Shard(0))``): every rank of the mesh is one DP x CP rank of the plan (a pool over
+all of them); each unit's buffer is reduce-scattered over the shard dim, then all-reduced over the
+replicate dim (one all-gather over the shard dim, one reduce-scatter and one all-reduce per unit).
+**FSDP2 + tensor parallel** (``parallelize_module(block, mesh["tp"], plan)`` in each block, then
+``fully_shard(..., mesh=mesh["dp_cp"])``): the TP ranks of one DP x CP position run the same
+micro-batches, so the plan's world is the ``dp_cp`` size and each TP index has its own
+:class:`GroupPool` over the ranks with that index (built by every rank, in the same order; for
+a row-major ``("dp_cp", "tp")`` mesh ``[GroupPool(ranks=range(t, world, tp)) for t in
+range(tp)]``); dyncp schedules only the DP x CP axis, and ring attention runs over the TP
+rank's local heads. A TP parameter's gradient stays on its TP rank (its local shard, as FSDP2
+reduces it); the reduce-scatter is over the ``dp_cp`` dim only. The layout is read from each
+sharded parameter's placements (:mod:`dyncp.integrations.fsdp_layout`).
+
+Trainable parameters may change between steps: each step re-reads ``requires_grad`` and, when
+the set changed (a stage frozen or unfrozen), rebuilds the units' layout, so an unfrozen
+parameter gets its gradient and a frozen one none.
+
+Requirements (checked, with a clear error): the FSDP2 root (``fully_shard`` applied to it; not a
+unit inside another ``fully_shard`` module); FSDP2's dim-0 sharding (no ``shard_placement_fn``
+on other dims) on a 1-D mesh ``(Shard(0),)``, an HSDP mesh ``(Replicate(), Shard(0))``, or
+either followed by tensor-parallel dims whose placements are ``Replicate()`` or ``Shard(d)``;
+the DP dims' ranks (shard x replicate) are the pool's DP x CP axis; every trainable parameter
+under some ``fully_shard`` module. Not supported: FSDP2's SPMD path (``dp_mesh_dims``) with
+model-parallel dims before the DP dims, ``Partial`` parameters. Tested on gloo: 1-D, HSDP
+2 x 2 and DP-CP 2 x TP 2; HSDP with TP (a 3-D mesh) passes the checks but is untested.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from dyncp.integrations.axis import check_same_ranks
+from dyncp.integrations.fsdp_layout import (
+    Slot,
+    Unit,
+    check_root,
+    own_parameters,
+    trainable_flags,
+    units,
+)
 from dyncp.plan import StepPlan
 from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
 from dyncp.runtime.reduce import naming_failures
 
 __all__ = ["FSDPRunner"]
 
-
-@dataclass(slots=True)
-class _Slot:
-    """One trainable parameter's place in its unit's reduce-scatter buffer.
-
-    The parameter's ``rows`` (dim 0) are split as FSDP2 shards them, ``chunk`` rows per rank
-    (ceil(rows / W); the last ranks hold fewer, possibly none); rank r's chunk, padded to ``chunk``
-    rows, sits at ``offset`` inside rank r's segment of the buffer.
-    """
-
-    name: str
-    sharded: nn.Parameter  # the DTensor parameter the optimizer holds
-    rows: int
-    row_numel: int
-    chunk: int
-    offset: int
-
-    @property
-    def numel(self) -> int:  # elements of one rank's padded chunk
-        return self.chunk * self.row_numel
-
-
-@dataclass(slots=True)
-class _Unit:
-    """One ``fully_shard`` module: its own parameters (not those of units nested in it)."""
-
-    module: FSDPModule
-    slots: list[_Slot]
-    segment: int  # elements of one rank's segment of the buffer
-    group: dist.ProcessGroup
-    device: torch.device
+# The layout helpers under the names they had here (other FSDP runners import them).
+_Slot, _Unit, _own_parameters, _units = Slot, Unit, own_parameters, units
 
 
 class FSDPRunner:
     """Runs dyncp step plans on an FSDP2 model with one all-gather and one reduce-scatter per unit.
 
     Args:
-        model: the root module; ``fully_shard`` applied to its blocks and to itself.
+        model: the FSDP2 root module; ``fully_shard`` applied to its blocks and to itself, on a
+            1-D, HSDP or DP x TP mesh (see the module docstring).
         reduce_dtype: dtype the gradients are accumulated and reduced in (default: each sharded
             parameter's dtype, i.e. the master weights'; fp32 under a bf16 mixed-precision policy).
 
     Raises:
-        ValueError: the model is not an FSDP2 model, uses a mesh or placement this runner does not
-            support, or has trainable parameters outside every ``fully_shard`` module.
+        ValueError: the model is not an FSDP2 model or not its root, uses a mesh or placement
+            this runner does not support, or has trainable parameters outside every
+            ``fully_shard`` module.
     """
 
     def __init__(self, model: nn.Module, *, reduce_dtype: torch.dtype | None = None) -> None:
@@ -147,9 +148,11 @@ class FSDPRunner:
                 f"FSDPRunner needs the root module sharded with fully_shard (and its blocks); "
                 f"got a {type(model).__name__} that is not an FSDPModule"
             )
+        check_root(model)
         self.model = model
         self.reduce_dtype = reduce_dtype
         self._units = _units(model)  # those with trainable parameters: one reduce-scatter each
+        self._trainable = trainable_flags(model)  # what _units was built from
         # every fully_shard module, frozen ones too: a forward through a sharded one would gather
         self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._hooks: list = []
@@ -173,20 +176,30 @@ class FSDPRunner:
     ) -> RankReport:
         """Run this rank's share of ``plan``; on return the sharded parameters hold the gradients.
 
-        The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh, which
-        must be the pool's DP x CP axis. ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
+        The arguments are those of :func:`dyncp.runtime.execute`. Collective on the FSDP mesh,
+        whose DP dims must be the pool's DP x CP axis (under TP: the pool of this TP index).
+        ``step_fn`` backwards ``loss * ctx.loss_scale`` as usual.
 
         Whatever ``execute`` raises (PlanMismatchError, PlanError, StepFailed) passes through;
         then no gradient is written, the parameters are resharded locally (no collective) and
         the accumulated gradients are dropped. ``agree=False`` as in ``execute``.
 
         Raises:
-            ValueError: the FSDP mesh is not on the pool's ranks.
+            ValueError: the FSDP mesh is not on the pool's ranks, or a parameter (un)frozen since
+                the last step is sharded in a way the runner does not support.
             StepFailed: also from the reduce-scatter, when a rank failed the step in a group
                 this rank was not in (``execute`` has no barrier between waves).
         """
+        if trainable_flags(self.model) != self._trainable:  # frozen or unfrozen since the last step
+            self._units = _units(self.model)
+            self._trainable = trainable_flags(self.model)
         for unit in self._units:
-            check_same_ranks(unit.group, pool, what="the FSDP mesh")
+            if sorted(unit.dp_ranks) != sorted(pool.ranks):
+                raise ValueError(
+                    f"the FSDP mesh spans ranks {sorted(unit.dp_ranks)}, the pool's DP x CP axis "
+                    f"ranks {sorted(pool.ranks)}; gradients must be summed over exactly the "
+                    f"plan's ranks"
+                )
         buffers = self._unshard()
         try:
             report = execute(
@@ -221,7 +234,7 @@ class FSDPRunner:
             dtype = self.reduce_dtype or unit.slots[0].sharded.dtype
             flat = torch.zeros(world * unit.segment, dtype=dtype, device=unit.device)
             buffers.append(flat)
-            params = dict(_own_parameters(unit.module))
+            params = dict(own_parameters(unit.module))
             for slot in unit.slots:
                 param = params[slot.name]  # the unsharded parameter forward uses
                 view = flat.as_strided((world, slot.numel), (unit.segment, 1), slot.offset)
@@ -229,14 +242,21 @@ class FSDPRunner:
         return buffers
 
     def _reduce(self, buffers: list[torch.Tensor]) -> None:
-        """One reduce-scatter (SUM) per unit, into the shards; then the shards' ``.grad``."""
+        """One reduce-scatter (SUM) per unit into its shard (HSDP: then one all-reduce over the
+        replicate dim); then the shards' ``.grad``."""
         works, outputs = [], []
         for unit, flat in zip(self._units, buffers):
             out = flat.new_empty(unit.segment)
             works.append(_reduce_scatter(out, flat, group=unit.group, async_op=True))
             outputs.append(out)
+        replicas = []
         for unit, work, out in zip(self._units, works, outputs):
             work.wait()
+            if unit.replicate is not None:
+                replicas.append(dist.all_reduce(out, group=unit.replicate, async_op=True))
+        for work in replicas:
+            work.wait()
+        for unit, out in zip(self._units, outputs):
             me = unit.group.rank()
             for slot in unit.slots:
                 local_rows = min(max(slot.rows - me * slot.chunk, 0), slot.chunk)
@@ -261,7 +281,7 @@ class FSDPRunner:
             hook.remove()
         self._hooks.clear()
         for module in self._modules:
-            for _, param in _own_parameters(module):
+            for _, param in own_parameters(module):
                 param.grad = None  # an unsharded gradient left by a failed step
             module.reshard()
             module.set_requires_gradient_sync(True, recurse=False)
@@ -278,91 +298,21 @@ def _reduce_scatter(
     return fn(out, flat, group=group, async_op=async_op)
 
 
-def _adder(slot: _Slot, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+def _adder(slot: Slot, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """The hook that moves a fresh unsharded gradient into the unit's buffer (padded layout)."""
     full = slot.rows // slot.chunk  # ranks whose chunk is full
     rest = slot.rows - full * slot.chunk
 
     def add(param: torch.Tensor) -> None:
-        grad = param.grad.reshape(slot.rows * slot.row_numel)
+        grad = param.grad
+        if isinstance(grad, DTensor):  # a tensor-parallel parameter: its TP rank's shard
+            if grad.placements != param.placements:  # e.g. Partial: as FSDP2 does, redistribute
+                grad = grad.redistribute(placements=param.placements)
+            grad = grad.to_local()
+        grad = grad.reshape(slot.rows * slot.row_numel)
         view[:full].add_(grad[: full * slot.numel].view(full, slot.numel))
         if rest:
             view[full, : rest * slot.row_numel].add_(grad[full * slot.numel :])
         param.grad = None
 
     return add
-
-
-def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``module``'s own ``fully_shard`` manages (not those of nested units)."""
-    nested = [
-        prefix + "."
-        for prefix, sub in module.named_modules()
-        if sub is not module and isinstance(sub, FSDPModule)
-    ]
-    return [
-        (name, param)
-        for name, param in module.named_parameters()
-        if not any(name.startswith(p) for p in nested)
-    ]
-
-
-def _units(model: nn.Module) -> list[_Unit]:
-    """Every FSDP unit under ``model`` (``named_modules`` order) and its trainable parameters."""
-    units, seen = [], set()
-    for path, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        slots, offset, group, device = [], 0, None, None
-        for name, param in _own_parameters(module):
-            seen.add(id(param))
-            if not param.requires_grad:
-                continue
-            where = f"{path}.{name}" if path else name
-            mesh = _check_sharding(where, param)
-            group, device = mesh.get_group(), param.to_local().device
-            world = mesh.size()
-            if param.dim() == 0 or param.shape[0] == 0:
-                raise ValueError(
-                    f"parameter {where!r} has shape {tuple(param.shape)}; FSDPRunner shards "
-                    f"parameters along a non-empty dim 0"
-                )
-            rows = param.shape[0]
-            chunk = -(-rows // world)
-            slot = _Slot(name, param, rows, math.prod(param.shape[1:]), chunk, offset)
-            expected = min(max(rows - mesh.get_local_rank() * chunk, 0), chunk)
-            if param.to_local().shape[0] != expected:
-                raise ValueError(
-                    f"parameter {where!r}: local shard has {param.to_local().shape[0]} rows, "
-                    f"FSDP2's even Shard(0) split gives {expected}; only the default sharding is "
-                    f"supported"
-                )
-            slots.append(slot)
-            offset += slot.numel
-        if slots:
-            units.append(_Unit(module, slots, offset, group, device))
-    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-    if stray:
-        raise ValueError(
-            f"trainable parameters outside every fully_shard module: {stray[:5]}; shard the root "
-            f"module too (fully_shard(model)) so each parameter has one owner"
-        )
-    if not units:
-        raise ValueError("the model has no trainable parameter under fully_shard")
-    return units
-
-
-def _check_sharding(where: str, param: nn.Parameter):
-    """The parameter's 1-D mesh, after checking it is sharded the way this runner expects."""
-    if not isinstance(param, DTensor):
-        raise ValueError(
-            f"parameter {where!r} is not sharded (not a DTensor); call FSDPRunner after "
-            f"fully_shard, with the parameters resharded (outside a forward)"
-        )
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-        raise ValueError(
-            f"parameter {where!r} is placed {tuple(param.placements)} on a {mesh.ndim}-D mesh; "
-            f"FSDPRunner supports fully_shard on a 1-D mesh with the default Shard(0) placement"
-        )
-    return mesh
