@@ -7,6 +7,9 @@
   ``.grad is None`` (a zero gradient would let AdamW's decoupled weight decay move it), stays
   bitwise unchanged over AdamW steps with weight decay, also when a rank ran nothing, while the
   trainable parameters end within 1e-9 of the same steps on one process.
+- ``execute_local`` (a one-rank plan on a process without torch.distributed, what
+  ``DynCPTrainer`` runs under plain ``python``) calls ``step_fn`` with exactly the contexts
+  ``execute`` gives the same plan on a one-rank gloo pool.
 """
 
 from __future__ import annotations
@@ -208,3 +211,49 @@ def test_ddp_runner_leaves_frozen_parameters_untouched_and_trainable_ones_exact(
             assert err <= 1e-9, (rank, name, err)
         assert r["reduced"] == sorted(n for n in initial if n not in frozen)
         assert r["bare_frozen_grads"] == []
+
+
+# --- execute_local: what execute gives a one-rank pool, without torch.distributed -------------
+
+
+def _one_rank_plan() -> StepPlan:
+    from dyncp.cost_model import CostModel
+    from dyncp.planner import Planner
+
+    planner = Planner(
+        CostModel.load("cpu-gloo", ranks_per_node=1),
+        world=1,
+        ranks_per_node=1,
+        capacity=64,
+        max_length=64,
+        deterministic=True,
+        cpsat=None,
+    )
+    plan = planner.plan([37, 64, 9, 23, 2, 50, 11])
+    plan.sample_ids = (16, 10, 15, 11, 14, 12, 13)  # dataset rows, as the sampler sets them
+    return plan
+
+
+LABELS = [36, 10, 8, 22, 1, 0, 5]  # e.g. prompts masked out of the loss
+
+
+def _contexts_worker(rank: int, world: int, plan_json: str) -> list:
+    from dyncp.runtime import execute
+
+    seen: list[MicroBatchContext] = []
+    execute(StepPlan.from_json(plan_json), GroupPool(), seen.append, labels_per_sequence=LABELS)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_execute_local_gives_step_fn_what_execute_gives_on_one_rank() -> None:
+    from dyncp.integrations.local import execute_local
+
+    plan = _one_rank_plan()
+    assert sum(len(g.microbatches) for w in plan.waves for g in w.groups) > 1
+    (want,) = run_gloo(_contexts_worker, world=1, args=(plan.to_json(),), timeout=90)
+    got: list[MicroBatchContext] = []
+    report = execute_local(plan, got.append, labels_per_sequence=LABELS)
+    assert got == want  # every field, the layout and the loss scale 1 / sum(LABELS) included
+    assert got[0].loss_scale == 1.0 / sum(LABELS)
+    assert len(report.timings) == len(got) and len(report.wave_seconds) == len(plan.waves)
