@@ -5,7 +5,9 @@ steps of ``DynCPTrainer`` on a tiny Llama in fp64 (documents of mixed lengths, s
 prompt masked out of the loss), AdamW with gradient clipping. The parameters after the steps
 equal those of the same global batches on one process by hand (unpacked SDPA, the mean token
 loss over unmasked labels, the same clipping and AdamW) within 1e-9, the losses the Trainer
-logs are those batches' mean token losses, and training initialised no process group.
+logs are those batches' mean token losses, and training initialised no process group. With
+``bf16=True`` (fp32 weights, CPU bf16 autocast) the steps track the same steps through SDPA
+under the same autocast within bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def dataset() -> list[dict]:
     return rows
 
 
-def train(out_dir: str) -> tuple[list, list[float], dict[str, torch.Tensor]]:
+def train(out_dir: str, *, bf16: bool = False) -> tuple[list, list[float], dict[str, torch.Tensor]]:
+    """Train ``STEPS`` steps (fp64 and AdamW; with ``bf16``: fp32 weights under the Trainer's
+    bf16 autocast and SGD, whose update is linear in the gradient); returns each step's
+    (dataset rows, micro-batch count), the logged losses and the final parameters."""
     from transformers import TrainerCallback, TrainingArguments
 
     from dyncp.integrations.trainer import PLAN_KEY, DynCPTrainer
@@ -71,7 +76,7 @@ def train(out_dir: str) -> tuple[list, list[float], dict[str, torch.Tensor]]:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        optim="adamw_torch",
+        optim="sgd" if bf16 else "adamw_torch",
         max_grad_norm=CLIP,
         report_to=[],
         save_strategy="no",
@@ -80,6 +85,7 @@ def train(out_dir: str) -> tuple[list, list[float], dict[str, torch.Tensor]]:
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        bf16=bf16,
     )
     planner = Planner(
         CostModel.load("cpu-gloo", ranks_per_node=1),
@@ -90,7 +96,10 @@ def train(out_dir: str) -> tuple[list, list[float], dict[str, torch.Tensor]]:
         deterministic=True,
         cpsat=None,
     )
-    model = tiny_causal_lm(tiny_config("llama", vocab=VOCAB), register_ring_attention())
+    dtype = torch.float32 if bf16 else torch.float64
+    model = tiny_causal_lm(
+        tiny_config("llama", vocab=VOCAB), register_ring_attention(), dtype=dtype
+    )
     trainer = Recording(
         model=model,
         args=args,
@@ -104,10 +113,17 @@ def train(out_dir: str) -> tuple[list, list[float], dict[str, torch.Tensor]]:
     return seen, logged, params
 
 
-def reference(steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The same global batches by hand: unpacked SDPA, mean over unmasked labels."""
-    model = tiny_causal_lm(tiny_config("llama", vocab=VOCAB), "sdpa")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+def reference(
+    steps: list[list[int]], *, bf16: bool = False
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same global batches by hand: unpacked SDPA, mean over unmasked labels (with
+    ``bf16``: fp32 weights, forwards under CPU bf16 autocast, as the Trainer's)."""
+    dtype = torch.float32 if bf16 else torch.float64
+    model = tiny_causal_lm(tiny_config("llama", vocab=VOCAB), "sdpa", dtype=dtype)
+    if bf16:
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     rows = dataset()
     losses = []
     for sample_ids in steps:
@@ -116,7 +132,9 @@ def reference(steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[flo
         total = sum(int((lab[1:] != -100).sum()) for lab in labels)
         loss = 0
         for row, lab in zip(docs, labels):
-            logits = model(input_ids=torch.tensor(row["input_ids"])[None], use_cache=False).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                ids = torch.tensor(row["input_ids"])[None]
+                logits = model(input_ids=ids, use_cache=False).logits.to(dtype)
             loss = (
                 loss
                 + torch.nn.functional.cross_entropy(
@@ -144,6 +162,27 @@ def test_one_process_trainer_steps_equal_the_same_steps_by_hand(tmp_path) -> Non
     for name, want in ref.items():
         err = (params[name] - want).abs().max().item()
         assert err <= 1e-9, (name, err)
+
+
+@pytest.mark.timeout(300)
+def test_one_process_trainer_trains_under_bf16_autocast(tmp_path) -> None:
+    """``bf16=True``: the model's RoPE hands ring attention float32 queries and keys and
+    bfloat16 values; attention runs in bf16 as SDPA does, and the steps track the same steps
+    with SDPA under the same autocast. bf16 keeps 8 significant bits (2 ** -8 = 3.9e-3), and
+    the two attentions round in different orders: gradients differ by about 1 % (7e-3 in
+    test_hf_autocast.py), so SGD's parameters by about 1 % of how far they moved. Measured:
+    losses 3.8e-6 relative, parameters 1.3e-6 against a movement of 5.6e-4 (0.24 %).
+    Asserted: losses within 1e-4 relative, parameters within 3 % of the largest movement."""
+    steps, logged, params = train(str(tmp_path), bf16=True)
+    ref, losses = reference([ids for ids, _ in steps], bf16=True)
+    start = dict(tiny_causal_lm(tiny_config("llama", vocab=VOCAB), "sdpa", dtype=torch.float32)
+                 .named_parameters())  # fmt: skip
+    moved = max((want - start[name]).abs().max().item() for name, want in ref.items())
+    assert moved > 1e-4  # it trained
+    assert logged == pytest.approx(losses, rel=1e-4)
+    for name, want in ref.items():
+        err = (params[name] - want).abs().max().item()
+        assert err <= 0.03 * moved, (name, err, moved)
 
 
 def test_execute_local_refuses_a_plan_for_more_ranks() -> None:
