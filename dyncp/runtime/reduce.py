@@ -93,7 +93,7 @@ def reduce_loss(
     Every rank sends the same buffer whatever its losses (see :func:`_loss_buffer`), so ranks
     whose loss dtypes differ, or a rank with no loss at all, can never send mismatched sizes
     (gloo aborts the process on that; NCCL would read past the buffer). The sum accumulates in
-    float64, exact for any loss dtype.
+    float64, at least as precise as any loss dtype, and is rounded to the result's dtype once.
 
     Args:
         losses: this rank's micro-batch losses (each summed if it has more than one element).
