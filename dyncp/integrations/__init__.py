@@ -7,6 +7,8 @@ reduce-scatter (1-D, HSDP and DP x TP meshes), and the FSDP2 root check.
 ``dyncp.integrations.ddp``: step plans on ``DistributedDataParallel`` models, ``DDPRunner``.
 ``dyncp.integrations.trainer``: ``transformers.Trainer`` with dyncp steps, ``DynCPTrainer``
 (``pip install dyncp[trainer]``).
+``dyncp.integrations.local``: a one-rank plan on a process without torch.distributed,
+``execute_local``.
 Importing this package imports no model library; importing a submodule needs its extra.
 """
 

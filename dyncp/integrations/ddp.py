@@ -12,7 +12,8 @@ in the whole step), and plain DDP hangs. :meth:`DDPRunner.step` runs the plan in
 once over DDP's process group with :func:`dyncp.runtime.reduce_gradients` (one all-reduce per
 parameter, in the same order on every rank; a rank without a gradient sends zeros). Summing (not
 DDP's averaging) of ``ctx.loss_scale``-weighted losses gives exactly the gradients of the global
-batch's mean token loss.
+batch's mean token loss. Frozen parameters (``requires_grad=False``) are left out, as DDP leaves
+them out: their ``.grad`` stays None, so an optimizer with weight decay never moves them.
 
 DDP also broadcasts module buffers from rank 0 before a forward when ``broadcast_buffers`` is set
 (on the first forward after construction or after a synchronised backward), another collective per

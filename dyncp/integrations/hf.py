@@ -149,7 +149,10 @@ def ring_attention_forward(
     Args:
         module: the calling attention module (``is_causal`` is read from it, default True).
         query: ``(1, H, T, D)``; key, value: ``(1, Hkv, T, D)``, ``H % Hkv == 0`` (GQA), with
-            RoPE already applied by the model; ``T`` is the layout's local token count.
+            RoPE already applied by the model; ``T`` is the layout's local token count. Under
+            autocast (the Trainer's ``bf16=True``) the model's RoPE leaves query and key in
+            float32 and value in bfloat16; ring attention casts them to the autocast dtype, as
+            torch's SDPA does, so the layer runs as it would with ``attn_implementation="sdpa"``.
         attention_mask: must be None (the layout replaces the mask; none is built for this
             implementation).
         scaling: the model's softmax scale (``head_dim ** -0.5`` unless the config says else).

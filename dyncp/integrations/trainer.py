@@ -22,7 +22,11 @@ the loop calls forward and backward, so the loop itself is replaced where ``Trai
 ``get_train_dataloader`` yields one item per optimizer step (the step's plan, from
 ``DynamicCPSampler``, the same on every rank), and ``training_step`` runs the whole plan with
 :class:`~dyncp.integrations.ddp.DDPRunner` or :class:`~dyncp.integrations.fsdp.FSDPRunner`
-(whichever wraps the model accelerate prepared), or ``runtime.execute`` on a single process.
+(whichever wraps the model accelerate prepared), or ``runtime.execute`` on a single process
+started by torchrun. A single process started without torchrun (plain ``python train.py``, a
+planner for ``world=1``) has no ``torch.distributed``, and the Trainer initialises nothing: its
+plans, all CP 1, run locally with :func:`~dyncp.integrations.local.execute_local` (the same
+micro-batches, contexts and loss scale, no collective), and the loss is this process's sum.
 Everything after the backward stays the Trainer's: gradient clipping, the optimizer and its
 scheduler, logging (the loss logged is the global batch's mean token loss, the same on every
 rank), checkpoints, callbacks.
@@ -51,6 +55,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -58,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dyncp.integrations.ddp import DDPRunner
 from dyncp.integrations.fsdp import FSDPRunner
 from dyncp.integrations.hf import causal_lm_loss
+from dyncp.integrations.local import execute_local
 from dyncp.plan import StepPlan
 from dyncp.planner import Planner
 from dyncp.runtime import IGNORE, GroupPool, execute, reduce_loss
@@ -172,7 +178,9 @@ class DynCPTrainerMixin:
         gradient reduction; returns the global batch's mean token loss (detached)."""
         plan = inputs[PLAN_KEY]
         model.train()
-        if self._dyncp_pool is None:
+        # One process without torch.distributed (no torchrun): nothing to build, nothing to sum.
+        local = self.args.world_size == 1 and not dist.is_initialized()
+        if self._dyncp_pool is None and not local:
             self._dyncp_pool = GroupPool()  # collective: every rank reaches its first step
         device = self.args.device
         rows = plan.sample_ids if plan.sample_ids is not None else range(len(plan.lengths))
@@ -189,6 +197,9 @@ class DynCPTrainerMixin:
             losses.append(loss.detach().float())
 
         counts = [int((data[int(r)][1] != IGNORE).sum()) for r in rows]
+        if local:
+            execute_local(plan, step_fn, labels_per_sequence=counts)
+            return torch.stack(losses).double().sum().float()  # what reduce_loss gives 1 rank
         self._runner(model)(plan, self._dyncp_pool, step_fn, labels_per_sequence=counts)
         return reduce_loss(losses, device=device)
 

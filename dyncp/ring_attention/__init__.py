@@ -11,7 +11,8 @@ Modules: ``layout`` (RingLayout), ``sharding`` (zigzag pad/split/unsplit, positi
 ``sdpa_kernel`` / ``flash_kernel`` (block kernels), ``kernels`` (choosing one), ``merge`` (the
 log-sum-exp update), ``comm`` (ring send/recv), ``ring`` (the autograd Function), ``window``
 (sliding-window causal attention that skips ring steps outside the window), ``hybrid``
-(HybridLayout: heads exchanged by all-to-all over u ranks around a ring of r = cp / u).
+(HybridLayout: heads exchanged by all-to-all over u ranks around a ring of r = cp / u),
+``autocast`` (under torch.autocast: inputs cast to its dtype as for SDPA, math with it off).
 """
 
 from dyncp.ring_attention.block import BlockKernel, BlockSpec

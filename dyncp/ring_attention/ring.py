@@ -8,7 +8,9 @@ zigzag schedule of ``steps.py``; partial outputs are merged with the log-sum-exp
 Backward: K/V go around again, and with them the dK/dV accumulators: at each step a rank adds the
 gradient of the block it holds to the accumulator that arrived with it and passes it on, so after
 ``cp`` hops every accumulator is back with the rank that owns the keys. dQ never leaves the rank.
-Gradients come back in the dtype of their inputs; nothing is cast to a fixed dtype.
+Gradients come back in the dtype of their inputs; nothing is cast to a fixed dtype. Under
+``torch.autocast`` the inputs are cast to the autocast dtype first, as for torch's SDPA
+(``autocast.py``).
 
 A :class:`~dyncp.ring_attention.hybrid.HybridLayout` (u > 1 heads ranks around a ring of r) runs
 the same Function over the ring sub-group, between the head exchanges of ``hybrid.py``.
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from dyncp.ring_attention.autocast import autocast_inputs, autocast_off
 from dyncp.ring_attention.block import BlockKernel, acc_dtype
 from dyncp.ring_attention.comm import PendingExchange, ring_exchange
 from dyncp.ring_attention.hybrid import HybridLayout, heads_to_ring, ring_to_heads
@@ -71,13 +74,34 @@ def ring_attention(
         ``(T, H, Dv)`` in the dtype of ``q``. Padding rows are 0; real rows never depend on
         padding rows, and padding rows receive zero gradient.
 
+    Under ``torch.autocast`` (enabled for the inputs' device) q, k and v are first cast to the
+    autocast dtype, as torch's ``scaled_dot_product_attention`` is, and the output is in that
+    dtype; the ring itself runs with autocast off, accumulating in float32 (``autocast.py``).
+
     Raises:
-        ValueError: mismatched shapes, dtypes or devices, tensors that do not match the layout's
-            ``cu_seqlens_local``, a layout whose group does not contain this rank, an unusable
-            kernel or a non-positive scale; a window below 1, without ``causal``, with another
-            kernel or with a hybrid layout; head counts a hybrid layout cannot split.
+        ValueError: mismatched shapes, dtypes or devices (outside autocast), tensors that do
+            not match the layout's ``cu_seqlens_local``, a layout whose group does not contain
+            this rank, an unusable kernel or a non-positive scale; a window below 1, without
+            ``causal``, with another kernel or with a hybrid layout; head counts a hybrid layout
+            cannot split.
     """
+    q, k, v = autocast_inputs(q, k, v)  # as SDPA under autocast (see autocast.py)
     _check_inputs(q, k, v, layout)
+    with autocast_off(q.device):
+        return _attention(q, k, v, layout, causal, softmax_scale, kernel, window)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: RingLayout | HybridLayout,
+    causal: bool,
+    softmax_scale: float | None,
+    kernel: str | BlockKernel,
+    window: int | None,
+) -> torch.Tensor:
+    """``ring_attention`` after the input checks, with autocast off."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -224,10 +248,11 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, steps, kernel, scale = ctx.ring
-        dq, dk, dv = _ring_backward(
-            dout.contiguous(), q, k, v, out, lse,
-            layout=layout, steps=steps, kernel=kernel, scale=scale,
-        )  # fmt: skip
+        with autocast_off(q.device):  # a backward inside an autocast region: as the forward
+            dq, dk, dv = _ring_backward(
+                dout.contiguous(), q, k, v, out, lse,
+                layout=layout, steps=steps, kernel=kernel, scale=scale,
+            )  # fmt: skip
         return dq, dk, dv, None, None, None, None
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from dyncp.plan import padded_length
+from dyncp.ring_attention.autocast import autocast_off
 from dyncp.ring_attention.block import acc_dtype
 from dyncp.ring_attention.layout import RingLayout
 from dyncp.ring_attention.merge import merge_block
@@ -304,6 +305,17 @@ class _WindowedRing(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         q, out, lse = ctx.saved_tensors
+        with autocast_off(q.device):  # a backward inside an autocast region: as the forward
+            return _WindowedRing._backward(ctx, dout, q, out, lse)
+
+    @staticmethod
+    def _backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, ...]:
         layout, plan, blocks, pairs, scale = ctx.window_ring
         acc = acc_dtype(q.dtype)
         dout = dout.contiguous()
