@@ -250,3 +250,64 @@ def test_two_ranks_equal_plain_sft(tmp_path) -> None:
     for r in results:
         assert r["losses"] == pytest.approx(losses, rel=1e-6)
         assert_params_close(r["params"], want)
+
+
+def _packed_and_unpacked(rank: int, world: int, out_dir: str) -> tuple[dict, dict]:
+    """Both runs on the same ranks, one global batch per step holding every document."""
+    whole = 10**6  # tokens: more than the dataset holds, so each step is one whole epoch
+    unpacked = _worker(rank, world, f"{out_dir}/unpacked", 80, whole)
+    packed = _worker(rank, world, f"{out_dir}/packed", 80, whole, {"packing": True})
+    return unpacked, packed
+
+
+@pytest.mark.timeout(400)
+def test_packing_trains_what_the_unpacked_run_trains(tmp_path) -> None:
+    results = run_gloo(_packed_and_unpacked, world=2, args=(str(tmp_path),), timeout=360)
+    for unpacked, packed in results:
+        # TRL's bfd rows, cut at their seq_lengths, are the same documents in another order
+        assert sorted(map(str, packed["rows"])) == sorted(map(str, unpacked["rows"]))
+        assert all(len(ids) == len(packed["rows"]) for ids, _ in packed["steps"])
+        assert packed["losses"] == pytest.approx(unpacked["losses"], rel=1e-6)
+        assert_params_close(packed["params"], unpacked["params"])
+
+
+def test_unpack_documents_recovers_each_document() -> None:
+    import datasets
+    from trl import pack_dataset
+
+    from dyncp.integrations.trl import unpack_documents
+
+    docs = [list(range(10 * i, 10 * i + n)) for i, n in enumerate([5, 2, 7, 3, 1, 6])]
+    labels = [[-100] + d[1:] for d in docs]
+    ds = datasets.Dataset.from_dict({"input_ids": docs, "labels": labels})
+    packed = pack_dataset(ds, 8, "bfd")
+    assert len(packed) < len(docs)  # some rows hold several documents
+    got = unpack_documents(packed)
+    want = [(d, lab) for d, lab in zip(docs, labels) if len(d) >= 2]  # the 1-token one: no label
+    assert sorted(zip(got["input_ids"], got["labels"])) == sorted(want)
+    # bfd_split cuts a document longer than a row into pieces that TRL trains as documents
+    split = unpack_documents(pack_dataset(ds, 4, "bfd_split"))
+    pieces = [
+        (d[s : s + 4], lab[s : s + 4])
+        for d, lab in zip(docs, labels)
+        for s in range(0, len(d), 4)
+        if len(d[s : s + 4]) >= 2
+    ]
+    assert sorted(zip(split["input_ids"], split["labels"])) == sorted(pieces)
+    with pytest.raises(ValueError, match="seq_lengths"):
+        unpack_documents(ds)
+
+
+def test_wrapped_packing_is_refused(tmp_path) -> None:
+    from dyncp.integrations.hf import register_ring_attention
+    from dyncp.integrations.trl import DynCPSFTTrainer
+
+    with pytest.raises(ValueError, match="packing_strategy='wrapped'.*packing=False"):
+        DynCPSFTTrainer(
+            model=model(register_ring_attention()),
+            args=config(str(tmp_path), packing=True, packing_strategy="wrapped"),
+            train_dataset=dataset(),
+            processing_class=tokenizer(),
+            planner=planner(1, 200),
+            global_batch_tokens=700,
+        )
