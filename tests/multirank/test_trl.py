@@ -1,15 +1,18 @@
 """DynCPSFTTrainer: TRL's SFTTrainer under dyncp trains what plain SFTTrainer trains (1, 2 ranks).
 
 A prompt/completion dataset (TRL's completion-only loss: prompt labels -100) is tokenized by TRL
-with a tiny local WordLevel tokenizer and trained on a tiny fp64 Llama with AdamW and gradient
-clipping. dyncp's sampler cuts and plans the global batches (on 2 gloo ranks under accelerate's
-DDP, with CP 1 and CP 2 rings); the reference is plain ``SFTTrainer`` on one process, fed the same
-global batches through its own collator, SDPA attention with its padding mask and its own loss.
+with a tiny local WordLevel tokenizer and trained on a tiny fp64 Llama with AdamW, gradient
+clipping and TRL's default activation checkpointing. dyncp's sampler cuts and plans the global
+batches (on 2 gloo ranks under accelerate's DDP, with CP 1 and CP 2 rings). Two references:
 
-Tolerances: the models are fp64, so parameters after the steps agree within 1e-9 (measured
-differences are ~1e-15, rounding in a different summation order). The per-step loss that dyncp's
-``training_step`` returns is reduced in fp32 (``reduce_loss``' default dtype, unit roundoff 6e-8,
-a sum of a few micro-batch losses), so losses are compared at 1e-6 relative.
+- plain ``SFTTrainer`` on one process, fed the same global batches through its own collator
+  (padded, SDPA with its attention mask) and its own loss: the per-step losses agree within
+  1e-6 relative. Both are fp32 at the end: TRL computes token log-probabilities in fp32 and
+  dyncp's ``reduce_loss`` sums the micro-batch losses in fp32 (unit roundoff 6e-8, a sum of a
+  few hundred token terms); a wrong mask or count moves the loss by 1/(label tokens) >= 1e-3.
+- the same batches in fp64 throughout (one SDPA forward per document, the mean over unmasked
+  labels, the same clipping and AdamW): parameters within 1e-9. Plain SFTTrainer's parameters
+  are not compared at 1e-9, because of its fp32 log-probabilities.
 
 ``packing=True`` (TRL's ``bfd``) gives the same documents, so with one global batch holding the
 whole dataset (one step per epoch, the document order then does not matter) the packed run's
@@ -100,7 +103,6 @@ def config(out_dir: str, **overrides):
         disable_tqdm=True,
         dataloader_num_workers=0,
         max_length=MAX_LENGTH,
-        gradient_checkpointing=False,
         bf16=False,  # SFTConfig defaults to bf16 autocast; the exactness check is fp64
     )
     kwargs.update(overrides)
@@ -156,6 +158,7 @@ def _worker(
         "losses": losses,
         "rows": rows,
         "wrapped": type(trainer.model_wrapped).__name__,
+        "checkpointing": trainer.model.is_gradient_checkpointing,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
     }
 
@@ -226,6 +229,7 @@ def assert_params_close(got: dict, want: dict) -> None:
 @pytest.mark.timeout(300)
 def test_one_process_equals_plain_sft(tmp_path) -> None:
     [run] = run_gloo(_worker, world=1, args=(str(tmp_path / "dyncp"), 200, 700), timeout=240)
+    assert run["checkpointing"]  # TRL's default: activation checkpointing on
     steps = [ids for ids, _ in run["steps"]]
     assert len(steps) == STEPS and all(len(ids) > 1 for ids in steps)
     losses, rows = plain_sft(str(tmp_path / "plain"), steps)
@@ -239,7 +243,7 @@ def test_one_process_equals_plain_sft(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_two_ranks_equal_plain_sft(tmp_path) -> None:
     results = run_gloo(_worker, world=2, args=(str(tmp_path / "dyncp"), 80, 700), timeout=240)
-    assert all(r["wrapped"] == "DistributedDataParallel" for r in results)
+    assert all(r["wrapped"] == "DistributedDataParallel" and r["checkpointing"] for r in results)
     steps = results[0]["steps"]
     assert len(steps) == STEPS and all(r["steps"] == steps for r in results)
     assert any(len(sizes) > 1 for _, sizes in steps), steps  # CP 1 and CP 2 within a step
