@@ -5,6 +5,8 @@
 ``dyncp.integrations.ddp``: step plans on ``DistributedDataParallel`` models, ``DDPRunner``.
 ``dyncp.integrations.trainer``: ``transformers.Trainer`` with dyncp steps, ``DynCPTrainer``
 (``pip install dyncp[trainer]``).
+``dyncp.integrations.trl``: TRL's ``SFTTrainer`` with dyncp steps, ``DynCPSFTTrainer``
+(``pip install dyncp[trl]``).
 Importing this package imports no model library; importing a submodule needs its extra.
 """
 
