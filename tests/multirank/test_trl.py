@@ -315,3 +315,22 @@ def test_wrapped_packing_is_refused(tmp_path) -> None:
             planner=planner(1, 200),
             global_batch_tokens=700,
         )
+
+
+def test_iterable_dataset_is_refused(tmp_path) -> None:
+    import datasets
+
+    from dyncp.integrations.hf import register_ring_attention
+    from dyncp.integrations.trl import DynCPSFTTrainer
+
+    rows = list(dataset())
+    iterable = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ValueError, match="map-style datasets.Dataset"):
+        DynCPSFTTrainer(
+            model=model(register_ring_attention()),
+            args=config(str(tmp_path)),
+            train_dataset=iterable,
+            processing_class=tokenizer(),
+            planner=planner(1, 200),
+            global_batch_tokens=700,
+        )
