@@ -9,6 +9,8 @@ reduce-scatter (1-D, HSDP and DP x TP meshes), and the FSDP2 root check.
 (``pip install dyncp[trainer]``).
 ``dyncp.integrations.local``: a one-rank plan on a process without torch.distributed,
 ``execute_local``.
+``dyncp.integrations.trl``: TRL's ``SFTTrainer`` with dyncp steps, ``DynCPSFTTrainer``
+(``pip install dyncp[trl]``).
 Importing this package imports no model library; importing a submodule needs its extra.
 """
 
