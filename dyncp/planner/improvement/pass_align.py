@@ -32,7 +32,7 @@ from dyncp.cost_model.sharding import ShardingCost
 from dyncp.plan import PlanError, PlanStats, StepPlan
 from dyncp.planner.improvement.pass_moves import WaveDraft
 
-__all__ = ["PASSES", "TARGETS", "AlignmentReport", "align_passes"]
+__all__ = ["PASSES", "TARGETS", "AlignmentReport", "align_passes", "aligned_waves"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,27 @@ def _drafts(draft: WaveDraft) -> list[WaveDraft]:
     return out
 
 
+def aligned_waves(
+    plan: StepPlan, model: CostModel, sharding: ShardingCost | None = None
+) -> StepPlan:
+    """``plan`` with each wave replaced by its best draft, not validated (``align_passes``
+    validates it and keeps ``plan`` if it fails; tests call this to see a move's mistakes)."""
+    pricer = _Pricer(plan, model, sharding)
+    waves = []
+    for wave in plan.waves:
+        drafts = _drafts(WaveDraft(wave, plan.topology, plan.lengths, pricer))
+        best = min(range(len(drafts)), key=lambda j: (*pricer.wave(drafts[j]), j))
+        waves.append(drafts[best].to_wave())
+    return StepPlan(
+        plan.topology,
+        plan.lengths,
+        tuple(waves),
+        plan.policy,
+        plan.sample_ids,
+        PlanStats(dict(plan.stats)),
+    )
+
+
 def align_passes(
     plan: StepPlan, model: CostModel, sharding: ShardingCost | None = None
 ) -> tuple[StepPlan, AlignmentReport]:
@@ -130,20 +151,7 @@ def align_passes(
         model: prices each micro-batch.
         sharding: prices each pass's collectives (``None``: collectives free).
     """
-    pricer = _Pricer(plan, model, sharding)
-    waves = []
-    for wave in plan.waves:
-        drafts = _drafts(WaveDraft(wave, plan.topology, plan.lengths, pricer))
-        best = min(range(len(drafts)), key=lambda j: (*pricer.wave(drafts[j]), j))
-        waves.append(drafts[best].to_wave())
-    aligned = StepPlan(
-        plan.topology,
-        plan.lengths,
-        tuple(waves),
-        plan.policy,
-        plan.sample_ids,
-        PlanStats(dict(plan.stats)),
-    )
+    aligned = aligned_waves(plan, model, sharding)
     before = price_passes(plan, model, sharding)
     try:
         aligned.validate()
