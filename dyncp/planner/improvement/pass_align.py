@@ -8,7 +8,7 @@ takes a valid plan and, wave by wave, drafts alternatives with the moves of
 - the wave as it is, and with each group's packs ordered most expensive first;
 - groups grown into the idle ranks, then every group rebalanced to ``k`` packs, for ``k`` from
   the wave's pass count down (at most ``TARGETS`` values; a ``k`` no merge or hand-off reaches
-  ends the descent), then grown again;
+  ends the descent), splitting packs in halves or peeling one sequence off, then grown again;
 - the same with new groups opened on the idle ranks first (so that they take packs from busy
   groups instead of a neighbour growing into them).
 
@@ -108,15 +108,16 @@ def _drafts(draft: WaveDraft) -> list[WaveDraft]:
         base = draft.copy()
         opening(base)
         top = base.passes()
-        for k in range(top, max(top - TARGETS, 0), -1):
-            d = base.copy()
-            reached = d.rebalance(k)
-            d.drop_unused()
-            d.grow()
-            d.order_packs()
-            out.append(d)
-            if not reached:
-                break
+        for peel in (False, True):
+            for k in range(top, max(top - TARGETS, 0), -1):
+                d = base.copy()
+                reached = d.rebalance(k, peel=peel)
+                d.drop_unused()
+                d.grow()
+                d.order_packs()
+                out.append(d)
+                if not reached:
+                    break
     return out
 
 

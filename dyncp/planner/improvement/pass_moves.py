@@ -10,8 +10,8 @@ that make every rank's count equal, in the order the design gives (DESIGN.md, "B
 - ``open_idle``: new, still empty groups on idle blocks, for ``rebalance`` to fill;
 - ``rebalance(k)``: every group to ``k`` micro-batches: a group above ``k`` merges two of its
   packs that fit together, or hands one to a group below ``k`` that can hold it; a group below
-  ``k`` splits one of its packs in two, or takes one sequence out of another group's pack of
-  several (that group's count does not change);
+  ``k`` splits one of its packs in two (halves, or its cheapest sequence peeled off), or takes
+  one sequence out of another group's pack of several (that group's count does not change);
 - what is left over stays an empty pass (nothing else fits).
 
 Every move keeps the plan valid by construction: a pack is placed only on a group where it fits
@@ -132,16 +132,18 @@ class WaveDraft:
     def drop_unused(self) -> None:
         self.groups = [g for g in self.groups if g.packs]
 
-    def rebalance(self, k: int) -> bool:
+    def rebalance(self, k: int, *, peel: bool = False) -> bool:
         """Every group to ``k`` packs as far as the moves allow; False when a group stays above
-        ``k`` (``k`` is then not reachable: the wave keeps more passes)."""
+        ``k`` (``k`` is then not reachable: the wave keeps more passes). ``peel``: a split takes
+        the cheapest sequence off a pack instead of halving it (a pass the others barely use
+        stays short)."""
         for g in sorted(self.groups, key=lambda g: -len(g.packs)):
             while len(g.packs) > k:
                 if not (self._merge(g) or self._hand_off(g, k)):
                     return False
         for g in sorted(self.groups, key=lambda g: (len(g.packs), g.start)):
             while len(g.packs) < k:
-                if not (self._split(g) or self._take_one(g, k)):
+                if not (self._split(g, peel) or self._take_one(g, peel)):
                     break
         return True
 
@@ -170,11 +172,17 @@ class WaveDraft:
                     return True
         return False
 
-    def _split(self, g: DraftGroup) -> bool:
-        """Split ``g``'s most expensive pack of several sequences into two balanced packs."""
+    def _split(self, g: DraftGroup, peel: bool = False) -> bool:
+        """Split ``g``'s most expensive pack of several sequences into two balanced packs, or
+        (``peel``) take the shortest sequence of its packs of several off as a pack of its own."""
         several = [p for p in g.packs if len(p) > 1]
         if not several:
             return False
+        if peel:
+            pack, i = min(((p, i) for p in several for i in p), key=lambda x: self.lengths[x[1]])
+            pack.remove(i)
+            g.packs.append([i])
+            return True
         pack = max(several, key=lambda p: self.pack_seconds(g, p))
         halves: tuple[list[int], list[int]] = ([], [])
         loads = [0.0, 0.0]
@@ -186,9 +194,10 @@ class WaveDraft:
         g.packs += [sorted(halves[0]), sorted(halves[1])]
         return True
 
-    def _take_one(self, g: DraftGroup, k: int) -> bool:
+    def _take_one(self, g: DraftGroup, peel: bool = False) -> bool:
         """A new pack on ``g`` of one sequence taken from another group's pack of several, from
-        the busiest such pack, the longest sequence that fits on ``g``."""
+        the busiest such pack, the longest sequence that fits on ``g`` (``peel``: the
+        shortest)."""
         donors = [
             (self.pack_seconds(h, p), h.start, h, p)
             for h in self.groups
@@ -197,7 +206,8 @@ class WaveDraft:
             if len(p) > 1
         ]
         for _, _, h, p in sorted(donors, key=lambda d: (-d[0], d[1])):
-            for i in sorted(p, key=lambda i: (-self.lengths[i], i)):
+            sign = 1 if peel else -1
+            for i in sorted(p, key=lambda i: (sign * self.lengths[i], i)):
                 if self.fits([i], g.size):
                     p.remove(i)
                     g.packs.append([i])
