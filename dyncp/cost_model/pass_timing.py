@@ -72,10 +72,7 @@ def price_passes(
     collectives (``None``: free, a pass lasts its busiest micro-batch)."""
     priced = evaluate_plan(plan, model, timing="barrier")
     compute = pass_compute(plan, priced.microbatch_seconds)
-    if sharding is None:
-        seconds = list(compute)
-    else:
-        seconds = [sharding.pass_seconds(t) for t in compute]
+    seconds = compute if sharding is None else [sharding.pass_seconds(t) for t in compute]
     schedule = pass_schedule(plan)
     step = float(np.sum(seconds)) + len(plan.waves) * model.wave_overhead
     return PassCost(step, tuple(seconds), tuple(compute), schedule.per_wave, schedule.empty)

@@ -158,7 +158,9 @@ class ShardingCost:
             if getattr(self, name) < 1:
                 raise ValueError(f"ShardingCost.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.forward_share < 1:
-            raise ValueError(f"ShardingCost.forward_share must be in (0, 1), got {self.forward_share}")
+            raise ValueError(
+                f"ShardingCost.forward_share must be in (0, 1), got {self.forward_share}"
+            )
         for name in ("gather", "scatter"):
             if not isinstance(getattr(self, name), Collective):
                 raise ValueError(f"ShardingCost.{name} must be a Collective")

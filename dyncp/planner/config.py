@@ -160,9 +160,7 @@ class PlannerConfig:
                 f"unknown policy {self.policy!r}; choose one of {', '.join(ALL_POLICIES)}"
             )
         if self.passes not in PASSES:
-            raise ValueError(
-                f"unknown passes {self.passes!r}; choose one of {', '.join(PASSES)}"
-            )
+            raise ValueError(f"unknown passes {self.passes!r}; choose one of {', '.join(PASSES)}")
         if self.sharding is not None:
             if not isinstance(self.sharding, ShardingCost):
                 raise ValueError(f"sharding must be a ShardingCost or None, got {self.sharding!r}")

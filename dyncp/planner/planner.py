@@ -20,8 +20,8 @@ runs it -- each rank runs its groups in wave order and a group starts when its l
 the user improver, head splits, the baselines' own choices) and every reported figure
 (``predicted_step_seconds``, ``imbalance``, ``efficiency``; ``stats["timing"]`` names it) uses that
 timing. ``timing="barrier"`` prices a barrier after every wave, as before, for comparison.
-``passes="aligned"`` (FSDP2 full sharding) then aligns the plan's passes
-(``dyncp.planner.improvement.pass_align``) and reports it priced as lockstep passes.
+``passes="aligned"`` (FSDP2 full sharding) then aligns the passes of the plan and of the baselines'
+plans (``dyncp.planner.improvement.pass_align``) and hands out the best in lockstep, priced so.
 
 Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
 share of the step the batch's closed-form lower bound predicts, decided before planning, so the
@@ -92,7 +92,7 @@ from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
-from dyncp.planner.improvement.pass_align import align_passes
+from dyncp.planner.improvement.pass_align import align_best
 from dyncp.planner.stages import PlannerStages, nested_core
 
 __all__ = [
@@ -352,8 +352,13 @@ class Planner(PlannerStages):
         if baselines:
             plan, cost = self._never_worse(plan, cost, baselines, stats)
         seconds = cost.step_seconds
-        if self.config.passes == "aligned":
-            plan, report = align_passes(plan, self.model, self.config.sharding)
+        if self.config.passes == "aligned":  # the best in lockstep of the plan and baselines
+            others = list(baselines)
+            best, plan, report = align_best(
+                [plan, *(b.final for b in others)], self.model, self.config.sharding
+            )
+            if best:
+                stats["chosen"] = f"baseline:{others[best - 1].name}"
             cost, seconds = self._price(plan, self.model), report.seconds_after
             stats["alignment"] = report.as_dict()
         t0 = time.perf_counter()

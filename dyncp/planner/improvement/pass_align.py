@@ -18,6 +18,10 @@ keeps the draft with the fewest empty rank-passes and, among those, the fewest p
 Waves are priced apart, because a pass-timed step is the sum of its waves. The draft "as it is"
 is always a candidate, so the result never has more empty passes than the input nor, at as many,
 more predicted seconds; the aligned plan is validated, and the input is kept if it failed.
+
+``align_best`` aligns several plans of one batch (the planner's own and its baselines', built
+for another timing) and keeps the best aligned one: a plan that was slower as dataflow can be the
+faster in lockstep.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dyncp.cost_model.sharding import ShardingCost
 from dyncp.plan import PlanError, PlanStats, StepPlan
 from dyncp.planner.improvement.pass_moves import WaveDraft
 
-__all__ = ["PASSES", "TARGETS", "AlignmentReport", "align_passes", "aligned_waves"]
+__all__ = ["PASSES", "TARGETS", "AlignmentReport", "align_best", "align_passes", "aligned_waves"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,32 @@ def aligned_waves(
         plan.sample_ids,
         PlanStats(dict(plan.stats)),
     )
+
+
+def align_best(
+    plans: list[StepPlan], model: CostModel, sharding: ShardingCost | None = None
+) -> tuple[int, StepPlan, AlignmentReport]:
+    """The best of ``plans`` (same batch and topology) once each is aligned: the fewest empty
+    rank-passes, then the fewest pass-timed seconds, then the earliest. Returns its index, the
+    aligned plan and a report against ``plans[0]`` unaligned (the plan the planner would hand
+    out without alignment)."""
+    aligned = [align_passes(p, model, sharding) for p in plans]
+    best = min(
+        range(len(plans)),
+        key=lambda j: (aligned[j][1].empty_after, aligned[j][1].seconds_after, j),
+    )
+    plan, report = aligned[best]
+    first = aligned[0][1]
+    report = AlignmentReport(
+        passes_before=first.passes_before,
+        passes_after=report.passes_after,
+        empty_before=first.empty_before,
+        empty_after=report.empty_after,
+        seconds_before=first.seconds_before,
+        seconds_after=report.seconds_after,
+        exposed_seconds_after=report.exposed_seconds_after,
+    )
+    return best, plan, report
 
 
 def align_passes(

@@ -62,7 +62,9 @@ class WaveDraft:
     def copy(self) -> WaveDraft:
         other = object.__new__(WaveDraft)
         other.topology, other.lengths, other.seconds = self.topology, self.lengths, self.seconds
-        other.groups = [DraftGroup(g.start, g.size, g.heads, [list(p) for p in g.packs]) for g in self.groups]
+        other.groups = [
+            DraftGroup(g.start, g.size, g.heads, [list(p) for p in g.packs]) for g in self.groups
+        ]
         return other
 
     # ------------------------------------------------------------------------------ facts
@@ -199,13 +201,13 @@ class WaveDraft:
         the busiest such pack, the longest sequence that fits on ``g`` (``peel``: the
         shortest)."""
         donors = [
-            (self.pack_seconds(h, p), h.start, h, p)
+            (self.pack_seconds(h, p), h.start, p)
             for h in self.groups
             if h is not g
             for p in h.packs
             if len(p) > 1
         ]
-        for _, _, h, p in sorted(donors, key=lambda d: (-d[0], d[1])):
+        for _, _, p in sorted(donors, key=lambda d: (-d[0], d[1])):
             sign = 1 if peel else -1
             for i in sorted(p, key=lambda i: (sign * self.lengths[i], i)):
                 if self.fits([i], g.size):
