@@ -238,9 +238,11 @@ def main(argv: list[str] | None = None) -> None:
                 model, world, args.capacity, steps
             ):
                 fits = "yes" if memory <= H100_BYTES else "no"
+                lockstep = mode != "gather-once"  # gather-once runs dataflow: no passes
+                counts = f"{passes:>6.1f} {empty:>6.1f}" if lockstep else f"{'-':>6} {'-':>6}"
                 print(
-                    f"{name:<5} {w:>5} {mode:<17} {seconds:>8.3f} {exposed:>7.3f} {passes:>6.1f} "
-                    f"{empty:>6.1f} {memory / GIB:>8.1f} {fits}",
+                    f"{name:<5} {w:>5} {mode:<17} {seconds:>8.3f} {exposed:>7.3f} {counts} "
+                    f"{memory / GIB:>8.1f} {fits}",
                     flush=True,
                 )
 

@@ -141,6 +141,11 @@ def test_many_short_sequences_give_an_aligned_plan(policy, world, capacity, seed
     assert report["seconds_before"] == pytest.approx(
         price_passes(free, model(), sharding(world)).step_seconds, rel=1e-12
     )
+    # The planner also aligns its baselines' plans and keeps the best: never worse than
+    # aligning its own plan alone.
+    _, own = align_passes(free, model(), sharding(world))
+    assert report["empty_after"] <= own.empty_after
+    assert report["seconds_after"] <= own.seconds_after * (1 + 1e-12)
 
 
 def test_the_default_is_unaligned_and_the_option_is_validated():
