@@ -25,7 +25,13 @@ plans at 512 ranks take seconds). Per model, world and mode, over ``--batches`` 
 - ``full (unaligned)``: FSDP2 full sharding of the same plan, priced as lockstep passes
   (``dyncp.cost_model.pass_timing`` with ``dyncp.cost_model.sharding``: per unit all-gather in
   forward and backward, reduce-scatter every pass, prefetch overlap), empty passes included.
-- ``full (aligned)``: ``Planner(passes="aligned", sharding=...)``.
+- ``full (aligned)``: ``Planner(passes="aligned", sharding=...)``;
+- ``full (aligned, barrier)``: the same with ``timing="barrier"``: plans built for waves that end
+  together, which lockstep passes resemble more than dataflow does.
+
+Columns: predicted step seconds; the collectives' seconds not hidden by compute (gather-once: the
+whole-model all-gather and reduce-scatter); passes and empty rank-passes a step (mean over the
+batches); memory per rank; whether it fits one H100.
 
 FSDP units: the embedding, each block, and the final norm with the output head (untied, as in
 Llama 3). Their compute shares: the embedding none (a lookup), the head its share of the GEMM
@@ -171,30 +177,32 @@ def row(model: Model, world: int, capacity: int, steps: list[np.ndarray]) -> lis
         bound="simple",
         cpsat=None,
     )
-    free, aligned = (
-        Planner(cost, **options),
-        Planner(cost, passes="aligned", sharding=sharding, **options),
-    )
+    free = Planner(cost, **options)
+    aligned = {
+        timing: Planner(cost, passes="aligned", sharding=sharding, timing=timing, **options)
+        for timing in ("dataflow", "barrier")
+    }
     acc: dict[str, list[tuple[float, float, int, int]]] = {}
     for lengths in steps:
         plan = free.plan(lengths)
         once = evaluate_plan(plan, cost).step_seconds + whole
         unaligned = price_passes(plan, cost, sharding)
-        lock = aligned.plan(lengths)
-        report = lock.stats.alignment
-        schedule = pass_schedule(lock)
         acc.setdefault("gather-once", []).append((once, whole, len(plan.waves), 0))
         acc.setdefault("full (unaligned)", []).append(
             (unaligned.step_seconds, unaligned.exposed_seconds, unaligned.passes, unaligned.empty)
         )
-        acc.setdefault("full (aligned)", []).append(
-            (
-                report["seconds_after"],
-                report["exposed_seconds_after"],
-                schedule.passes,
-                schedule.empty,
+        for timing, planner in aligned.items():
+            lock = planner.plan(lengths)
+            report, schedule = lock.stats.alignment, pass_schedule(lock)
+            mode = "full (aligned, barrier)" if timing == "barrier" else "full (aligned)"
+            acc.setdefault(mode, []).append(
+                (
+                    report["seconds_after"],
+                    report["exposed_seconds_after"],
+                    schedule.passes,
+                    schedule.empty,
+                )
             )
-        )
     rows = []
     for mode, values in acc.items():
         seconds, exposed, passes, empty = (float(np.mean(v)) for v in zip(*values))
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.step_tokens:g} x world x capacity tokens; H100 {H100_BYTES / GIB:.1f} GiB"
     )
     header = (
-        f"{'model':<5} {'ranks':>5} {'mode':<17} {'step s':>8} {'comm s':>7} {'passes':>6} "
+        f"{'model':<5} {'ranks':>5} {'mode':<24} {'step s':>8} {'comm s':>7} {'passes':>6} "
         f"{'empty':>6} {'GiB/rank':>8} fits"
     )
     for model in models(args.src):
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                 lockstep = mode != "gather-once"  # gather-once runs dataflow: no passes
                 counts = f"{passes:>6.1f} {empty:>6.1f}" if lockstep else f"{'-':>6} {'-':>6}"
                 print(
-                    f"{name:<5} {w:>5} {mode:<17} {seconds:>8.3f} {exposed:>7.3f} {counts} "
+                    f"{name:<5} {w:>5} {mode:<24} {seconds:>8.3f} {exposed:>7.3f} {counts} "
                     f"{memory / GIB:>8.1f} {fits}",
                     flush=True,
                 )

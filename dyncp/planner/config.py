@@ -103,7 +103,9 @@ class PlannerConfig:
             sharding (``dyncp.planner.improvement.pass_align``: groups grown into idle ranks,
             counts rebalanced, empty passes only where nothing else fits). The plan is then
             priced as lockstep passes: ``predicted_step_seconds`` is that price and
-            ``stats.alignment`` compares it with the unaligned plan's.
+            ``stats.alignment`` compares it with the unaligned plan's. ``timing="barrier"``
+            builds plans whose waves end together, closer to lockstep than dataflow, and often
+            gives the faster aligned plan (``bench/fsdp_predict.py``).
         sharding: what full sharding adds to each pass (``dyncp.cost_model.sharding``), used
             by ``passes="aligned"`` (None: collectives priced free).
 
