@@ -15,7 +15,7 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.pass_timing import price_passes
 from dyncp.cost_model.sharding import ShardingCost
 from dyncp.data.readers import load_lengths, resolve_dataset
-from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, pass_schedule
+from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, menu_sizes, pass_schedule
 from dyncp.planner import Planner
 from dyncp.planner.improvement.pass_align import align_passes, aligned_waves
 
@@ -180,3 +180,64 @@ def test_alignment_is_valid_and_never_adds_empty_passes(world, capacity, lengths
     assert after.empty <= before.empty
     if after.empty == before.empty:
         assert after.step_seconds <= before.step_seconds * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("ranks_per_node", "options"),
+    [
+        (72, {"world": 72, "group_sizes": menu_sizes("divisors", world=72, ranks_per_node=72)}),
+        (8, {"world": 16, "policy": "dyncp-hybrid", "head_sizes": (1, 2, 4, 8)}),
+        (8, {"world": 24}),
+    ],
+)
+def test_menus_and_head_splits_stay_valid(ranks_per_node, options):
+    # Growing a group keeps it on the menu's placements and keeps a head split only where the
+    # larger group allows it; the unaligned plans of these batches have empty passes.
+    cost = CostModel.load("h100-reference", ranks_per_node)
+    lengths = wikipedia()[wikipedia() < 60000]
+    lengths = np.random.default_rng(3).choice(lengths, 10 * options["world"])
+    common = {"ranks_per_node": ranks_per_node, "capacity": 8192, "deterministic": True}
+    free = Planner(cost, cpsat=None, **common, **options).plan(lengths)
+    assert pass_schedule(free).empty > 0
+    aligned_waves(free, cost).validate()
+    plan = Planner(cost, cpsat=None, passes="aligned", **common, **options).plan(lengths)
+    plan.validate()
+    assert_exactly_once(plan, len(lengths))
+    assert pass_schedule(plan).empty <= pass_schedule(free).empty
+
+
+def test_a_group_grows_only_onto_the_topologys_placements():
+    # Ranks 2-3 run a group, 1, 4 and 5 are idle, 0 and 6-7 busy: no allowed block of 4 holds
+    # the group and idle ranks only ([0, 4) holds rank 0, [4, 8) not the group), so it stays.
+    topo = Topology(8, 8, 8192)
+    wave = Wave(
+        (
+            Group(0, 1, (MicroBatch((0,)),)),
+            Group(2, 2, (MicroBatch((1,)), MicroBatch((2,)))),
+            Group(6, 2, (MicroBatch((3,)),)),
+        )
+    )
+    plan = StepPlan(topo, (1000, 1000, 1000, 1000), (wave,))
+    aligned = aligned_waves(plan, model(), sharding(8))
+    aligned.validate()
+    assert_exactly_once(aligned, 4)
+
+
+def test_a_grown_group_drops_a_head_split_the_larger_size_does_not_allow():
+    # A group of 4 splitting heads 4 ways grows into idle ranks 4-5 as a group of 6, which 4
+    # does not divide: it runs as a ring there.
+    cost = CostModel.load("h100-reference", 12)
+    sizes = menu_sizes("divisors", world=12, ranks_per_node=12)
+    topo = Topology(12, 12, 8192, sizes, (1, 4), query_heads=8, kv_heads=4)
+    wave = Wave(
+        (
+            Group(0, 4, (MicroBatch((0,)), MicroBatch((1,))), heads=4),
+            Group(6, 6, (MicroBatch((2,)), MicroBatch((3,)))),
+        )
+    )
+    plan = StepPlan(topo, (2000, 2000, 2000, 2000), (wave,))
+    plan.validate()
+    aligned = aligned_waves(plan, cost, None)
+    aligned.validate()
+    assert pass_schedule(aligned).aligned
+    assert [(g.start, g.size, g.heads) for g in aligned.waves[0].groups][0] == (0, 6, 1)
