@@ -10,6 +10,8 @@ Modules, one line each:
 - ``kernels``: attention kernels' tile sizes, read from their source;
 - ``protocol``: what planners, the bound and the simulator need of a cost model;
 - ``evaluate``: a plan's predicted time (PlanCost, evaluate_plan);
+- ``sharding``: ShardingCost, what FSDP2 full sharding's collectives add to a pass;
+- ``pass_timing``: a plan priced as lockstep passes (PassCost, price_passes);
 - ``fitting``: the non-negative least-squares fit on relative error every builder uses;
 - ``shapes``, ``mix_shapes``: decoder shapes and layer mixes of named models;
 - ``reference``, ``mix_reference``, ``published``: the builders of the bundled H100 profiles;
@@ -19,16 +21,23 @@ Modules, one line each:
 from dyncp.cost_model.evaluate import TIMINGS, PlanCost, evaluate_plan
 from dyncp.cost_model.layer_mix import LayerMixCostModel
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.pass_timing import PassCost, price_passes
 from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
+from dyncp.cost_model.sharding import Collective, ShardingCost, collective_from_profile
 
 __all__ = [
     "TIMINGS",
+    "Collective",
     "CostModel",
     "LayerMixCostModel",
+    "PassCost",
     "PlanCost",
     "Profile",
     "ProfileError",
+    "ShardingCost",
     "bundled_profiles",
+    "collective_from_profile",
     "evaluate_plan",
     "load_profile",
+    "price_passes",
 ]

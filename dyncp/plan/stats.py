@@ -76,6 +76,9 @@ class PlanStats(dict[str, Any]):
     construction = _Field[str]()
     #: The cost-model version the plan was made with (``dyncp.planner.versioned``).
     model_version = _Field[int]()
+    #: Pass alignment (``Planner(passes="aligned")``): passes, empty rank-passes and
+    #: pass-timed seconds of the plan before and after (``AlignmentReport.as_dict``).
+    alignment = _Field[dict[str, Any]]()
     #: Wall-clock values (seconds of each part of ``plan()``, candidates tried).
     timings = _Field[dict[str, Any]]()
 

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.sharding import ShardingCost
 from dyncp.plan import StepPlan
 from dyncp.planner.budget import StepBudget
 from dyncp.planner.improvement.cpsat import CpSatImprover
+from dyncp.planner.improvement.pass_align import PASSES
 
 __all__ = [
     "ALL_POLICIES",
@@ -26,6 +28,7 @@ __all__ = [
     "DEFER_BOUND",
     "HYBRID_POLICY",
     "Improver",
+    "PASSES",
     "POLICIES",
     "PlannerConfig",
 ]
@@ -95,6 +98,16 @@ class PlannerConfig:
             most ``LAYOUT_MAX_SEQUENCES`` sequences, before CP-SAT, with ``LAYOUT_SHARE`` of the
             time left (when that is at least ``LAYOUT_SHARE`` x ``min_improve_seconds``; so
             never at the default ``time_limit``); off with ``cpsat=None`` too.
+        passes: ``"free"`` (default: plans as the policy builds them) or ``"aligned"``: every
+            rank runs a micro-batch in every pass, as far as moves allow, for FSDP2 full
+            sharding (``dyncp.planner.improvement.pass_align``: groups grown into idle ranks,
+            counts rebalanced, empty passes only where nothing else fits). The plan is then
+            priced as lockstep passes: ``predicted_step_seconds`` is that price and
+            ``stats.alignment`` compares it with the unaligned plan's. ``timing="barrier"``
+            builds plans whose waves end together, closer to lockstep than dataflow, and often
+            gives the faster aligned plan (``bench/fsdp_predict.py``).
+        sharding: what full sharding adds to each pass (``dyncp.cost_model.sharding``), used
+            by ``passes="aligned"`` (None: collectives priced free).
 
     Raises:
         ValueError: an option outside what is allowed (the message names it).
@@ -121,6 +134,8 @@ class PlannerConfig:
     budget: StepBudget | None = None
     baselines: bool = True
     layout: bool = True
+    passes: str = "free"
+    sharding: ShardingCost | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_sizes", tuple(self.group_sizes))
@@ -146,6 +161,16 @@ class PlannerConfig:
             raise ValueError(
                 f"unknown policy {self.policy!r}; choose one of {', '.join(ALL_POLICIES)}"
             )
+        if self.passes not in PASSES:
+            raise ValueError(f"unknown passes {self.passes!r}; choose one of {', '.join(PASSES)}")
+        if self.sharding is not None:
+            if not isinstance(self.sharding, ShardingCost):
+                raise ValueError(f"sharding must be a ShardingCost or None, got {self.sharding!r}")
+            if self.passes != "aligned":
+                raise ValueError(
+                    "sharding prices the passes of passes='aligned'; give passes='aligned' "
+                    "or leave sharding None"
+                )
         if not self.seconds_per_step > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {self.seconds_per_step}")
 

@@ -20,6 +20,8 @@ runs it -- each rank runs its groups in wave order and a group starts when its l
 the user improver, head splits, the baselines' own choices) and every reported figure
 (``predicted_step_seconds``, ``imbalance``, ``efficiency``; ``stats["timing"]`` names it) uses that
 timing. ``timing="barrier"`` prices a barrier after every wave, as before, for comparison.
+``passes="aligned"`` (FSDP2 full sharding) then aligns the passes of the plan and of the baselines'
+plans (``dyncp.planner.improvement.pass_align``) and hands out the best in lockstep, priced so.
 
 Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
 share of the step the batch's closed-form lower bound predicts, decided before planning, so the
@@ -90,6 +92,7 @@ from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
+from dyncp.planner.improvement.pass_align import align_best
 from dyncp.planner.stages import PlannerStages, nested_core
 
 __all__ = [
@@ -348,17 +351,27 @@ class Planner(PlannerStages):
             cost = self._price(plan, self.model)
         if baselines:
             plan, cost = self._never_worse(plan, cost, baselines, stats)
+        seconds = cost.step_seconds
+        if self.config.passes == "aligned":  # the best in lockstep of the plan and baselines
+            others = list(baselines)
+            best, plan, report = align_best(
+                [plan, *(b.final for b in others)], self.model, self.config.sharding
+            )
+            if best:
+                stats["chosen"] = f"baseline:{others[best - 1].name}"
+            cost, seconds = self._price(plan, self.model), report.seconds_after
+            stats["alignment"] = report.as_dict()
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
         plan.stats.update(stats)
         st = plan.stats  # a PlanStats (dyncp.plan.stats): typed fields
         st.policy, st.timing = self.policy, self.timing
-        st.predicted_step_seconds = cost.step_seconds
+        st.predicted_step_seconds = seconds
         st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
         st.waves = len(plan.waves)
         if defer:
-            seconds, search_model = cost.step_seconds, self.search_model
+            search_model = self.search_model
             st.bound = {"kind": "tight"}
             self._deferred.submit(
                 plan,
@@ -370,7 +383,7 @@ class Planner(PlannerStages):
         else:
             fields = self._bound_fields(
                 batch,
-                cost.step_seconds,
+                seconds,
                 self.search_model,
                 tight=self.bound == "tight",
                 simple=simple,
