@@ -29,15 +29,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 
 from dyncp.control.agreement import PlanMismatchError  # noqa: E402
 from dyncp.integrations.fsdp import FSDPRunner  # noqa: E402
+from dyncp.integrations.fsdp_mode import FSDPSizes  # noqa: E402
 from dyncp.integrations.fsdp_sharded import ShardedFSDPRunner  # noqa: E402
 from dyncp.integrations.hf import register_ring_attention  # noqa: E402
-from dyncp.plan import pass_schedule  # noqa: E402
+from dyncp.plan import StepPlan, pass_schedule  # noqa: E402
 from dyncp.runtime import GroupPool, MicroBatchContext, reduce_loss  # noqa: E402
 from dyncp.testing import TinyConfig, TinyDecoder  # noqa: E402
 from dyncp.testing.distributed import run_gloo  # noqa: E402
 from tests.multirank.test_trainers import (  # noqa: E402
     ADAM_STEPS,
-    PLANS,
     VOCAB,
     WORLD,
     _Counter,
@@ -47,8 +47,22 @@ from tests.multirank.test_trainers import (  # noqa: E402
     loss_of,
     make_model,
     reference_step,
-    tokens_for,
 )
+from tests.multirank.test_trainers import PLANS as TRAINER_PLANS  # noqa: E402
+
+#: test_trainers' lengths with the 1-token sequence made 3 long: the filler (the shortest
+#: sequence, here 2 tokens) has a label, so a filler that did not weigh zero would show.
+LENGTHS = (37, 150, 9, 64, 23, 3, 2, 88)
+PLANS = {
+    name: StepPlan(plan.topology, LENGTHS, plan.waves, policy="hand")
+    for name, plan in TRAINER_PLANS.items()
+}
+
+
+def tokens_for(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (s,), generator=gen) for s in LENGTHS]
+
 
 #: (model, runner, plan)
 CASES = [
@@ -142,6 +156,7 @@ def memory_peak(mesh, pool, how: str) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    sizes = FSDPSizes.of(model)
     runner = FSDPRunner(model) if how == "gather-once" else ShardedFSDPRunner(model)
     groups, peak = _groups(model), [0]
 
@@ -159,7 +174,7 @@ def memory_peak(mesh, pool, how: str) -> dict:
 
             setattr(group, name, measured)
     run_step(model, runner, pool, PLANS["idle-wave"], tokens_for(7), probe)
-    return {"peak": peak[0], "after": live_unsharded(groups), **unit}
+    return {"peak": peak[0], "after": live_unsharded(groups), "sizes": sizes, **unit}
 
 
 def _worker(rank: int, world: int, cases: list) -> dict:
@@ -230,6 +245,7 @@ def test_one_step_equals_single_process(results: list[dict], case: int) -> None:
     plan = PLANS[plan_name]
     schedule = pass_schedule(plan)
     assert not schedule.aligned  # the plans need empty passes
+    assert min(plan.lengths) >= 2  # ... and their filler sequence has a label
     model = make_model(kind)
     ref_loss = reference_step(model, tokens_for(case)).item()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
@@ -283,6 +299,20 @@ def test_full_sharding_holds_one_block_unsharded(results: list[dict], how: str) 
         gather = mem["gather-once"]
         assert gather["peak"] == gather["root"] + BLOCKS8.layers * gather["block"], gather
         assert gather["peak"] > bound
+
+
+@pytest.mark.timeout(700)
+def test_sizes_are_read_from_the_sharded_model(results: list[dict]) -> None:
+    torch.manual_seed(0)
+    model = TinyDecoder(BLOCKS8)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    total = sum(p.numel() for p in model.parameters())
+    for rank in range(WORLD):
+        sizes = results[rank]["memory"]["sharded"]["sizes"]
+        assert (sizes.params, sizes.trainable) == (total, total)
+        assert (sizes.root, sizes.block) == (total - BLOCKS8.layers * block, block)
+        assert (sizes.world, sizes.compute_bytes, sizes.reduce_bytes) == (WORLD, 8, 8)
+        assert (sizes.master_bytes, sizes.optimizer_bytes) == (8, 16.0)
 
 
 @pytest.mark.timeout(700)
