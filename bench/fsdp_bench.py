@@ -33,10 +33,10 @@ Printed:
    the allocator's peak per rank over one step, from ``torch.profiler``'s memory events (every
    allocation and free of the step, summed in time order; the CPU allocator caches nothing, so
    this is what the tensors need), plus the sharded parameters live at the step's start; the
-   step time (slowest rank) as a ratio to ``plain`` in the same run (median over steps, modes
-   interleaved); and the collectives each rank issues in one step, counted by wrapping
-   ``torch.distributed``'s functions. The sharded runner's errors (fp64, the first uneven plan,
-   against one process) are in section 1's list.
+   step time (slowest rank) and the CPU seconds summed over the ranks, as ratios to ``plain`` in
+   the same run (median over steps, modes interleaved); and the collectives each rank issues in
+   one step, counted by wrapping ``torch.distributed``'s functions. The sharded runner's errors
+   (fp64, the first uneven plan, against one process) are in section 1's list.
 """
 
 from __future__ import annotations
@@ -212,8 +212,8 @@ def _uniform(args, cfg, mesh, pool) -> dict:
         order = UNIFORM_MODES[s % 3 :] + UNIFORM_MODES[: s % 3]
         for mode in order:
             loss_model, model, run = built[mode]
-            _, sec, _, _ = _step(loss_model, run, pool, plan, tokens)
-            out["times"][mode].append(sec)
+            _, sec, _, cpu = _step(loss_model, run, pool, plan, tokens)
+            out["times"][mode].append((sec, cpu))
             clear(model)
     return out
 
@@ -468,13 +468,19 @@ def _print_uniform(args: argparse.Namespace, results: list[dict]) -> None:
             f"(worst rank x{worst:.3f})"
         )
     times = uni[0]["times"]  # the slowest rank's per step, the same on every rank
-    print(f"step time, slowest rank, {args.uniform_steps} steps, modes interleaved:")
+    print(
+        f"step time, slowest rank, and CPU seconds summed over the ranks, {args.uniform_steps} "
+        f"steps, modes interleaved; ratio to plain: median [min, max] of the paired steps:"
+    )
     for mode in UNIFORM_MODES:
-        ratios = [t / b for t, b in zip(times[mode], times["plain"])]
-        print(
-            f"  {mode:12s} median {statistics.median(times[mode]) * 1e3:8.1f} ms   ratio to plain "
-            f"x{statistics.median(ratios):.3f} [min {min(ratios):.3f}, max {max(ratios):.3f}]"
-        )
+        line = f"  {mode:12s}"
+        for k, (unit, scale) in enumerate((("ms", 1e3), ("s CPU", 1.0))):
+            ratios = [t[k] / b[k] for t, b in zip(times[mode], times["plain"])]
+            line += (
+                f"  {statistics.median(t[k] for t in times[mode]) * scale:8.1f} {unit} x"
+                f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+            )
+        print(line)
     print("collectives per rank in one step (rank 0; every rank the same: checked):")
     for mode in UNIFORM_MODES:
         calls = uni[0]["calls"][mode]
