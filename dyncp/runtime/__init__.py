@@ -12,6 +12,7 @@ from dyncp.runtime.executor import (
     RankReport,
     StepFailed,
     execute,
+    filler_context,
     label_tokens,
 )
 from dyncp.runtime.group_pool import GroupPool
@@ -26,6 +27,7 @@ __all__ = [
     "RankReport",
     "StepFailed",
     "execute",
+    "filler_context",
     "job_timeout",
     "label_tokens",
     "next_token_labels",

@@ -66,7 +66,7 @@ from dyncp.control.failures import (
     is_communication_error,
     name_after_failed_wait,
 )
-from dyncp.plan import Group, PlanError, StepPlan, plan_digest
+from dyncp.plan import Group, PlanError, StepPlan, pass_schedule, plan_digest
 from dyncp.plan.slice import PlanSlice
 from dyncp.ring_attention import (
     HybridLayout,
@@ -85,6 +85,7 @@ __all__ = [
     "RankReport",
     "StepFailed",
     "execute",
+    "filler_context",
     "label_tokens",
 ]
 
@@ -105,6 +106,38 @@ class StepFailed(RuntimeError):
 def label_tokens(lengths: Sequence[int]) -> list[int]:
     """Next-token prediction inside each document: a sequence of s tokens has s - 1 labels."""
     return [int(s) - 1 for s in lengths]
+
+
+def filler_context(plan: StepPlan, position: int) -> Callable[[int], MicroBatchContext]:
+    """The context of an empty pass in wave w on ``position``: what a lockstep ``execute``
+    hands ``step_fn`` where this rank has no micro-batch.
+
+    A real micro-batch, so that any ``step_fn`` runs it unchanged: the batch's shortest sequence
+    (the cheapest forward+backward that still runs every block), alone at CP 1 on this rank
+    (a local layout: no ring collective), with ``loss_scale = 0.0``. A ``step_fn`` that
+    backwards ``loss * ctx.loss_scale`` then adds exactly zero to every gradient (as long as its
+    loss is finite: 0 * inf is NaN), while the forward and backward still run every module's
+    hooks (FSDP2's all-gathers and reduce-scatters). ``step_fn`` can tell a filler by
+    ``ctx.loss_scale == 0.0`` (e.g. to keep it out of token counts); its loss is zero.
+    """
+    shortest = min(range(len(plan.lengths)), key=lambda i: (plan.lengths[i], i))
+    seqlens = (int(plan.lengths[shortest]),)
+    sample = None if plan.sample_ids is None else (plan.sample_ids[shortest],)
+
+    def make(wave: int) -> MicroBatchContext:
+        return MicroBatchContext(
+            step_wave=wave,
+            group_start=position,
+            cp=1,
+            rank_in_group=0,
+            seq_ids=(shortest,),
+            sample_ids=sample,
+            seqlens=seqlens,
+            layout=make_ring_layout(seqlens=seqlens, cp=1),
+            loss_scale=0.0,
+        )
+
+    return make
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +203,7 @@ class RankReport:
     busy_seconds: float = 0.0  # in step_fn (waiting for group-mates inside collectives included)
     idle_seconds: float = 0.0  # in execute outside step_fn: agreement, checks, layouts
     step_seconds: float = 0.0
+    empty_passes: int = 0  # ``lockstep`` only: filler passes run (not in ``timings``)
 
     @property
     def microbatches(self) -> list[tuple[int, int, float]]:
@@ -230,6 +264,7 @@ def execute(
     agree: bool = True,
     validate: bool = True,
     plan_check: Callable[[StepPlan | PlanSlice], None] | None = None,
+    lockstep: bool = False,
 ) -> RankReport:
     """Run this rank's share of ``plan``.
 
@@ -249,6 +284,15 @@ def execute(
             before any ring collective; raises (PlanError) to refuse a plan the model cannot
             run, e.g. ``dyncp.integrations.hf.plan_check(model)`` (head splits with windowed
             layers; a slice shows it this rank's groups only).
+        lockstep: run the plan as passes (:mod:`dyncp.plan.passes`), for collectives that span
+            every rank in every forward+backward (FSDP2 with full sharding): in each wave this
+            rank runs its group's micro-batches, then one *empty pass* for each pass its group
+            (or its idleness) leaves it short, so that every rank calls ``step_fn`` the same
+            number of times and the k-th calls meet. An empty pass calls ``step_fn`` with the
+            context of a filler micro-batch (see :func:`filler_context`: the batch's shortest
+            sequence at CP 1, ``loss_scale`` 0.0), so it adds exactly zero to every gradient.
+            Needs the whole plan (not a PlanSlice). A failed collective is then blamed on any
+            rank of the axis, not only the ring's.
 
     Raises:
         PlanMismatchError: some rank holds another plan, or is at another ``execute`` call (on
@@ -270,6 +314,10 @@ def execute(
     label = f"execute call {call}"
     entry, entry_wall = time.monotonic(), time.time()
     sliced = isinstance(plan, PlanSlice)
+    if lockstep and sliced:
+        raise ValueError(
+            "lockstep needs the whole StepPlan (every group's micro-batch count), not a PlanSlice"
+        )
     if agree:
         try:
             PendingAgreement(
@@ -306,13 +354,30 @@ def execute(
     # The agreement and the checks above are what the step pays once: they count in the first
     # wave's wall clock (and so in the wave cost a calibration fits).
     wave_start = step_start = call_start
+    by_wave = None  # lockstep: this rank's passes of each wave (None: an empty pass)
+    if lockstep:
+        by_wave = [[] for _ in plan.waves]
+        for p in pass_schedule(plan).of_rank(me):
+            by_wave[p.wave].append(p.microbatch)
+        filler = filler_context(plan, me)
     for w, wave in enumerate(plan.waves):
         if w:
             wave_start = time.perf_counter()
         group = next((g for g in wave.groups if g.start <= me < g.start + g.size), None)
+        mbs = () if group is None else group.microbatches
+        passes = mbs if by_wave is None else by_wave[w]
         if group is not None:
             layout_for = _layout_maker(group, pool, pool.ranks[me])
-            for mb in group.microbatches:
+        # whom a failed collective blames: the ring's ranks; in lockstep any rank (FSDP2's)
+        if lockstep:
+            start, size = 0, pool.world
+        else:
+            start, size = (me, 1) if group is None else (group.start, group.size)
+        for mb in passes:
+            if mb is None:
+                ctx = filler(w)
+            else:
+                assert group is not None
                 seqlens = tuple(plan.lengths[i] for i in mb.seq_ids)
                 ctx = MicroBatchContext(
                     step_wave=w,
@@ -328,20 +393,24 @@ def execute(
                     loss_scale=scale,
                     heads=group.heads,
                 )
-                t0, started = time.perf_counter(), time.monotonic()
-                try:
-                    step_fn(ctx)
-                    if synchronize is not None:
-                        synchronize()
-                except Exception as exc:
-                    _fail(board, pool, w, group.start, group.size, exc, started, label)
-                seconds = time.perf_counter() - t0
-                report.timings.append(
-                    MicroBatchTiming(
-                        w, group.start, group.size, mb.seq_ids, seqlens, seconds, group.heads
-                    )
+            t0, started = time.perf_counter(), time.monotonic()
+            try:
+                step_fn(ctx)
+                if synchronize is not None:
+                    synchronize()
+            except Exception as exc:
+                _fail(board, pool, w, start, size, exc, started, label)
+            seconds = time.perf_counter() - t0
+            report.busy_seconds += seconds
+            if mb is None:
+                report.empty_passes += 1
+                continue
+            assert group is not None
+            report.timings.append(
+                MicroBatchTiming(
+                    w, group.start, group.size, mb.seq_ids, ctx.seqlens, seconds, group.heads
                 )
-                report.busy_seconds += seconds
+            )
         report.wave_seconds.append(time.perf_counter() - wave_start)
     report.step_seconds = time.perf_counter() - step_start
     report.idle_seconds = report.step_seconds - report.busy_seconds
