@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 
 from dyncp.plan import StepPlan
 from dyncp.ring_attention import make_ring_layout
-from dyncp.runtime import MicroBatchContext, MicroBatchTiming, RankReport, label_tokens
+from dyncp.runtime import (
+    MicroBatchContext,
+    MicroBatchTiming,
+    RankReport,
+    loss_scale,
+    microbatch_context,
+)
 
 __all__ = ["execute_local"]
 
@@ -54,12 +60,7 @@ def execute_local(
         )
     start = time.perf_counter()
     plan.validate()
-    labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
-    if len(labels) != len(plan.lengths):
-        raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
-    total = sum(int(x) for x in labels)
-    if total <= 0:
-        raise ValueError("the global batch has no label tokens; nothing to train on")
+    scale = loss_scale(plan, labels_per_sequence)
     report = RankReport()
     wave_start = start
     for w, wave in enumerate(plan.waves):
@@ -67,28 +68,20 @@ def execute_local(
             wave_start = time.perf_counter()
         for group in wave.groups:  # at most one: the rank itself, CP 1, one head group
             for mb in group.microbatches:
-                seqlens = tuple(plan.lengths[i] for i in mb.seq_ids)
-                ctx = MicroBatchContext(
-                    step_wave=w,
-                    group_start=0,
-                    cp=1,
-                    rank_in_group=0,
-                    seq_ids=mb.seq_ids,
-                    sample_ids=None
-                    if plan.sample_ids is None
-                    else tuple(plan.sample_ids[i] for i in mb.seq_ids),
-                    seqlens=seqlens,
-                    layout=make_ring_layout(seqlens=seqlens, cp=1, rank=0),
-                    loss_scale=1.0 / total,
-                )
+                ctx = microbatch_context(plan, w, group, mb, 0, _local_layout, scale)
                 t0 = time.perf_counter()
                 step_fn(ctx)
                 if synchronize is not None:
                     synchronize()
                 seconds = time.perf_counter() - t0
-                report.timings.append(MicroBatchTiming(w, 0, 1, mb.seq_ids, seqlens, seconds))
+                report.timings.append(MicroBatchTiming(w, 0, 1, mb.seq_ids, ctx.seqlens, seconds))
                 report.busy_seconds += seconds
         report.wave_seconds.append(time.perf_counter() - wave_start)
     report.step_seconds = time.perf_counter() - start
     report.idle_seconds = report.step_seconds - report.busy_seconds
     return report
+
+
+def _local_layout(seqlens: tuple[int, ...]):
+    """The ring layout of a whole sequence on one rank (CP 1: no communication)."""
+    return make_ring_layout(seqlens=seqlens, cp=1, rank=0)

@@ -14,6 +14,8 @@ from dyncp.runtime.executor import (
     execute,
     filler_context,
     label_tokens,
+    loss_scale,
+    microbatch_context,
 )
 from dyncp.runtime.group_pool import GroupPool
 from dyncp.runtime.labels import IGNORE, next_token_labels
@@ -30,6 +32,8 @@ __all__ = [
     "filler_context",
     "job_timeout",
     "label_tokens",
+    "loss_scale",
+    "microbatch_context",
     "next_token_labels",
     "reduce_gradients",
     "reduce_loss",

@@ -66,7 +66,7 @@ from dyncp.control.failures import (
     is_communication_error,
     name_after_failed_wait,
 )
-from dyncp.plan import Group, PlanError, StepPlan, pass_schedule, plan_digest
+from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, pass_schedule, plan_digest
 from dyncp.plan.slice import PlanSlice
 from dyncp.ring_attention import (
     HybridLayout,
@@ -87,6 +87,8 @@ __all__ = [
     "execute",
     "filler_context",
     "label_tokens",
+    "loss_scale",
+    "microbatch_context",
 ]
 
 
@@ -106,6 +108,48 @@ class StepFailed(RuntimeError):
 def label_tokens(lengths: Sequence[int]) -> list[int]:
     """Next-token prediction inside each document: a sequence of s tokens has s - 1 labels."""
     return [int(s) - 1 for s in lengths]
+
+
+def loss_scale(plan: StepPlan, labels_per_sequence: Sequence[int] | None = None) -> float:
+    """``1 / label tokens of the global batch``: each micro-batch's ``ctx.loss_scale``.
+
+    Raises:
+        ValueError: the label counts do not match the plan's sequences, or there are none.
+    """
+    labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
+    if len(labels) != len(plan.lengths):
+        raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
+    total = sum(int(x) for x in labels)
+    if total <= 0:
+        raise ValueError("the global batch has no label tokens; nothing to train on")
+    return 1.0 / total
+
+
+def microbatch_context(
+    plan: StepPlan,
+    wave: int,
+    group: Group,
+    mb: MicroBatch,
+    rank_in_group: int,
+    layout_for: Callable[[tuple[int, ...]], object],
+    scale: float,
+) -> MicroBatchContext:
+    """What ``step_fn`` gets for micro-batch ``mb`` of ``group`` (``layout_for``: the ring layout
+    of the rank's shard for the given sequence lengths)."""
+    seqlens = tuple(plan.lengths[i] for i in mb.seq_ids)
+    ids = None if plan.sample_ids is None else tuple(plan.sample_ids[i] for i in mb.seq_ids)
+    return MicroBatchContext(
+        step_wave=wave,
+        group_start=group.start,
+        cp=group.size,
+        rank_in_group=rank_in_group,
+        seq_ids=mb.seq_ids,
+        sample_ids=ids,
+        seqlens=seqlens,
+        layout=layout_for(seqlens),
+        loss_scale=scale,
+        heads=group.heads,
+    )
 
 
 def filler_context(plan: StepPlan, position: int) -> Callable[[int], MicroBatchContext]:
@@ -342,14 +386,11 @@ def execute(
                 "tokens (length - 1 per sequence)"
             )
         total = plan.header.labels
+        if total <= 0:
+            raise ValueError("the global batch has no label tokens; nothing to train on")
+        scale = 1.0 / total
     else:
-        labels = label_tokens(plan.lengths) if labels_per_sequence is None else labels_per_sequence
-        if len(labels) != len(plan.lengths):
-            raise ValueError(f"{len(labels)} label counts for {len(plan.lengths)} sequences")
-        total = sum(int(x) for x in labels)
-    if total <= 0:
-        raise ValueError("the global batch has no label tokens; nothing to train on")
-    scale = 1.0 / total
+        scale = loss_scale(plan, labels_per_sequence)
     report = RankReport()
     # The agreement and the checks above are what the step pays once: they count in the first
     # wave's wall clock (and so in the wave cost a calibration fits).
@@ -378,21 +419,7 @@ def execute(
                 ctx = filler(w)
             else:
                 assert group is not None
-                seqlens = tuple(plan.lengths[i] for i in mb.seq_ids)
-                ctx = MicroBatchContext(
-                    step_wave=w,
-                    group_start=group.start,
-                    cp=group.size,
-                    rank_in_group=me - group.start,
-                    seq_ids=mb.seq_ids,
-                    sample_ids=None
-                    if plan.sample_ids is None
-                    else tuple(plan.sample_ids[i] for i in mb.seq_ids),
-                    seqlens=seqlens,
-                    layout=layout_for(seqlens),
-                    loss_scale=scale,
-                    heads=group.heads,
-                )
+                ctx = microbatch_context(plan, w, group, mb, me - group.start, layout_for, scale)
             t0, started = time.perf_counter(), time.monotonic()
             try:
                 step_fn(ctx)
