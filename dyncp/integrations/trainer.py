@@ -42,11 +42,9 @@ Tested: accelerate's DDP on CPU. The FSDP2 branch (accelerate with ``fsdp_versio
 root ``fully_shard`` module) needs a GPU to test: on CPU accelerate wrapped the model in DDP even
 with FSDP2 configured.
 
-TRL: ``SFTTrainer`` is a ``Trainer`` subclass; ``class Trainer(DynCPTrainerMixin, SFTTrainer)``
-puts dyncp's loop in front of it. It needs the dataset tokenized (``input_ids``, and the
-completion-only ``labels`` if wanted) without packing: dyncp packs, and TRL's packing would
-merge documents into rows whose boundaries dyncp could not see. Not tested here (TRL is not a
-dependency); ``DynCPTrainer`` on ``transformers.Trainer`` is.
+TRL: ``dyncp.integrations.trl.DynCPSFTTrainer`` is this mixin in front of TRL's ``SFTTrainer``
+(completion-only loss kept; TRL's ``bfd`` packing cut back into documents), tested against
+``SFTTrainer`` alone (``pip install dyncp[trl]``).
 """
 
 from __future__ import annotations
