@@ -21,29 +21,20 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from trainer_data import VOCAB, masked_documents  # noqa: E402
+
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.integrations.hf import register_ring_attention  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
 from dyncp.testing.hf_models import tiny_causal_lm, tiny_config  # noqa: E402
 
-VOCAB = 61
 STEPS = 3
 LR = 1e-2
 CLIP = 0.5
 
 
 def dataset() -> list[dict]:
-    """16 documents of 2..150 tokens; every third has its first half masked (a 'prompt')."""
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(2, 150, (16,), generator=gen).tolist()
-    rows = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
-        row = {"input_ids": ids}
-        if i % 3 == 0:
-            row["labels"] = [-100] * (n // 2) + ids[n // 2 :]
-        rows.append(row)
-    return rows
+    return masked_documents(16)
 
 
 def train(out_dir: str, *, bf16: bool = False) -> tuple[list, list[float], dict[str, torch.Tensor]]:
