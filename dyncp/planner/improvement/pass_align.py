@@ -27,16 +27,26 @@ faster in lockstep.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from dyncp.cost_model import CostModel
-from dyncp.cost_model.pass_timing import price_passes
+from dyncp.cost_model.pass_timing import PassCost, price_passes
 from dyncp.cost_model.sharding import ShardingCost
-from dyncp.plan import PlanError, PlanStats, StepPlan
+from dyncp.plan import PlanError, PlanStats, StepPlan, padded_length
 from dyncp.planner.improvement.pass_moves import WaveDraft
 
-__all__ = ["PASSES", "TARGETS", "AlignmentReport", "align_best", "align_passes", "aligned_waves"]
+__all__ = [
+    "PASSES",
+    "TARGETS",
+    "AlignBudget",
+    "AlignmentReport",
+    "align_best",
+    "align_passes",
+    "aligned_waves",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,8 @@ class AlignmentReport:
     seconds_before: float
     seconds_after: float
     exposed_seconds_after: float  # what the collectives add to the aligned plan's compute
+    complete: bool = True  # False: the budget ran out (waves or plans left as they were)
+    work: int = 0  # work units spent (``AlignBudget``)
 
     @property
     def cost_seconds(self) -> float:
@@ -74,68 +86,155 @@ class AlignmentReport:
             "seconds_after": self.seconds_after,
             "cost_seconds": self.cost_seconds,
             "exposed_seconds_after": self.exposed_seconds_after,
+            "complete": self.complete,
+            "work": self.work,
         }
 
 
-class _Pricer:
-    """Seconds of packs (cached) and of a wave's passes."""
+@dataclass(slots=True)
+class AlignBudget:
+    """How much alignment may do: a wall-clock ``deadline`` (``time.perf_counter()`` seconds)
+    and/or ``work`` units (a draft of a wave of ``n`` groups costs ``n``: drafting and pricing it
+    walk its groups). Not a config: it counts what was spent (``spent``), once exhausted it stays
+    so. ``work`` alone (deterministic mode) makes the result a pure function of the input."""
 
-    def __init__(self, plan: StepPlan, model: CostModel, sharding: ShardingCost | None) -> None:
-        self.lengths, self.model, self.sharding = plan.lengths, model, sharding
+    deadline: float | None = None
+    work: int | None = None
+    spent: int = 0
+    exhausted: bool = False
+
+    def allows(self, cost: int) -> bool:
+        """Spend ``cost`` units if the budget allows them; False (and exhausted) if not."""
+        if self.exhausted:
+            return False
+        over_work = self.work is not None and self.spent + cost > self.work
+        if over_work or (self.deadline is not None and time.perf_counter() >= self.deadline):
+            self.exhausted = True
+            return False
+        self.spent += cost
+        return True
+
+
+class _Pricer:
+    """Seconds of packs (cached, shared by every plan of one batch) and of a wave's passes."""
+
+    def __init__(
+        self, lengths: tuple[int, ...], model: CostModel, sharding: ShardingCost | None
+    ) -> None:
+        self.lengths, self.model, self.sharding = lengths, model, sharding
         self._cache: dict[tuple[int, int, tuple[int, ...]], float] = {}
+        self._padded: dict[int, list[int]] = {}
 
     def __call__(self, size: int, heads: int, ids: tuple[int, ...]) -> float:
         key = (size, heads, ids)
-        if key not in self._cache:
-            lengths = [self.lengths[i] for i in ids]
-            split = {"heads": heads} if heads > 1 else {}
-            self._cache[key] = float(self.model.microbatch_seconds(size, lengths, **split))
-        return self._cache[key]
+        seconds = self._cache.get(key)
+        if seconds is None:
+            # A pack's price does not depend on its order: one computation per set of ids
+            # (a merge or hand-off rebuilds packs in another order).
+            canonical = (size, heads, tuple(sorted(ids)))
+            seconds = self._cache.get(canonical)
+            if seconds is None:
+                lengths = [self.lengths[i] for i in canonical[2]]
+                split = {"heads": heads} if heads > 1 else {}
+                seconds = float(self.model.microbatch_seconds(size, lengths, **split))
+                self._cache[canonical] = seconds
+            self._cache[key] = seconds
+        return seconds
+
+    def memory(self, size: int) -> list[int]:
+        """Each sequence's padded tokens in a group of ``size`` (``dyncp.plan.padding``),
+        computed once per size for every draft (``WaveDraft.fits`` sums them)."""
+        padded = self._padded.get(size)
+        if padded is None:
+            padded = self._padded[size] = [padded_length(n, size) for n in self.lengths]
+        return padded
 
     def wave(self, draft: WaveDraft) -> tuple[int, float]:
         """(empty rank-passes, pass-timed seconds) of one wave."""
         busiest = [0.0] * draft.passes()
         for g in draft.groups:
             for p, pack in enumerate(g.packs):
-                busiest[p] = max(busiest[p], draft.pack_seconds(g, pack))
+                t = draft.pack_seconds(g, pack)
+                if t > busiest[p]:
+                    busiest[p] = t
         if self.sharding is not None:
             busiest = [self.sharding.pass_seconds(t) for t in busiest]
         return draft.empty(), sum(busiest) + self.model.wave_overhead
 
 
-def _drafts(draft: WaveDraft) -> list[WaveDraft]:
-    """The alternatives of one wave (module docstring)."""
+def _chain(base: WaveDraft, peel: bool) -> Iterator[WaveDraft]:
+    """The drafts of one opened wave: rebalanced to ``k`` packs from its pass count down,
+    until a ``k`` is not reached (module docstring)."""
+    top = base.passes()
+    for k in range(top, max(top - TARGETS, 0), -1):
+        d = base.copy()
+        reached = d.rebalance(k, peel=peel)
+        d.drop_unused()
+        d.grow()
+        d.order_packs()
+        yield d
+        if not reached:
+            return
+
+
+def _opened(draft: WaveDraft, opening: Callable[[WaveDraft], None]) -> WaveDraft:
+    base = draft.copy()
+    opening(base)
+    return base
+
+
+def _chains(draft: WaveDraft, budget: AlignBudget, cost: int) -> Iterator[Iterator[WaveDraft]]:
+    """The four chains (grow or open idle blocks; halve or peel), each opening drafted once
+    and shared by its two chains, within the budget."""
+    for opening in (WaveDraft.grow, WaveDraft.open_idle):
+        if not budget.allows(cost):
+            return
+        base = _opened(draft, opening)
+        yield _chain(base, False)
+        yield _chain(base, True)
+
+
+def _drafts(draft: WaveDraft, budget: AlignBudget) -> Iterator[tuple[tuple[int, int], WaveDraft]]:
+    """The alternatives of one wave, each with its rank among them (the tie-break), most
+    promising first while the budget lasts: the wave as it is (free), ordered, then the four
+    chains round robin, so that a budget that stops early has tried the highest pack counts --
+    the fewest passes -- of every chain. The rank is (chain, step): the order of a full run
+    whatever order they are drafted in."""
+    yield (0, 0), draft
+    cost = max(len(draft.groups), 1)
+    if not budget.allows(cost):
+        return
     ordered = draft.copy()
     ordered.order_packs()
-    out = [draft, ordered]
-    for opening in (WaveDraft.grow, WaveDraft.open_idle):
-        base = draft.copy()
-        opening(base)
-        top = base.passes()
-        for peel in (False, True):
-            for k in range(top, max(top - TARGETS, 0), -1):
-                d = base.copy()
-                reached = d.rebalance(k, peel=peel)
-                d.drop_unused()
-                d.grow()
-                d.order_packs()
-                out.append(d)
-                if not reached:
-                    break
-    return out
+    yield (0, 1), ordered
+    chains = list(enumerate(_chains(draft, budget, cost), start=1))
+    step = 0
+    while chains:
+        live = []
+        for c, chain in chains:
+            if not budget.allows(cost):
+                return
+            d = next(chain, None)
+            if d is not None:
+                yield (c, step), d
+                live.append((c, chain))
+        chains, step = live, step + 1
 
 
-def aligned_waves(
-    plan: StepPlan, model: CostModel, sharding: ShardingCost | None = None
-) -> StepPlan:
-    """``plan`` with each wave replaced by its best draft, not validated (``align_passes``
-    validates it and keeps ``plan`` if it fails; tests call this to see a move's mistakes)."""
-    pricer = _Pricer(plan, model, sharding)
+def _aligned(plan: StepPlan, pricer: _Pricer, budget: AlignBudget) -> StepPlan:
+    """``plan`` with each wave replaced by its best draft within ``budget`` (waves after the
+    budget runs out stay as they are)."""
     waves = []
     for wave in plan.waves:
-        drafts = _drafts(WaveDraft(wave, plan.topology, plan.lengths, pricer))
-        best = min(range(len(drafts)), key=lambda j: (*pricer.wave(drafts[j]), j))
-        waves.append(drafts[best].to_wave())
+        best_key: tuple | None = None
+        best = None
+        draft = WaveDraft(wave, plan.topology, plan.lengths, pricer, pricer.memory)
+        for rank, d in _drafts(draft, budget):
+            key = (*pricer.wave(d), rank)
+            if best_key is None or key < best_key:
+                best_key, best = key, d
+        assert best is not None
+        waves.append(best.to_wave())
     return StepPlan(
         plan.topology,
         plan.lengths,
@@ -146,53 +245,57 @@ def aligned_waves(
     )
 
 
-def align_best(
-    plans: list[StepPlan], model: CostModel, sharding: ShardingCost | None = None
-) -> tuple[int, StepPlan, AlignmentReport]:
-    """The best of ``plans`` (same batch and topology) once each is aligned: the fewest empty
-    rank-passes, then the fewest pass-timed seconds, then the earliest. Returns its index, the
-    aligned plan and a report against ``plans[0]`` unaligned (the plan the planner would hand
-    out without alignment)."""
-    aligned = [align_passes(p, model, sharding) for p in plans]
-    best = min(
-        range(len(plans)),
-        key=lambda j: (aligned[j][1].empty_after, aligned[j][1].seconds_after, j),
-    )
-    plan, report = aligned[best]
-    first = aligned[0][1]
-    report = AlignmentReport(
-        passes_before=first.passes_before,
-        passes_after=report.passes_after,
-        empty_before=first.empty_before,
-        empty_after=report.empty_after,
-        seconds_before=first.seconds_before,
-        seconds_after=report.seconds_after,
-        exposed_seconds_after=report.exposed_seconds_after,
-    )
-    return best, plan, report
+def aligned_waves(
+    plan: StepPlan,
+    model: CostModel,
+    sharding: ShardingCost | None = None,
+    budget: AlignBudget | None = None,
+) -> StepPlan:
+    """``plan`` with each wave replaced by its best draft, not validated (``align_passes``
+    validates it and keeps ``plan`` if it fails; tests call this to see a move's mistakes)."""
+    pricer = _Pricer(plan.lengths, model, sharding)
+    return _aligned(plan, pricer, AlignBudget() if budget is None else budget)
 
 
-def align_passes(
-    plan: StepPlan, model: CostModel, sharding: ShardingCost | None = None
-) -> tuple[StepPlan, AlignmentReport]:
-    """``plan`` with its passes aligned as far as the moves allow, and what that changed.
-
-    Args:
-        plan: a valid plan.
-        model: prices each micro-batch.
-        sharding: prices each pass's collectives (``None``: collectives free).
-    """
-    aligned = aligned_waves(plan, model, sharding)
+def _candidates(
+    j: int, plan: StepPlan, pricer: _Pricer, budget: AlignBudget
+) -> tuple[PassCost, list[tuple[tuple[int, float, int, int], StepPlan, PassCost]]]:
+    """``plan``'s lockstep price, and its candidates keyed for ``_choose``: ``plan`` aligned
+    within ``budget`` (not validated yet) and ``plan`` itself, which wins only when it is
+    strictly faster (the per-wave choice cannot make it so; kept as a guard). A move that
+    raises leaves ``plan`` alone, with a warning: alignment never makes the planner fail."""
+    model, sharding = pricer.model, pricer.sharding
     before = price_passes(plan, model, sharding)
+    out = [((before.empty, before.step_seconds, j, 1), plan, before)]
     try:
-        aligned.validate()
-    except PlanError as exc:  # a bug in a move: never hand out an invalid plan
-        log.warning("pass alignment produced an invalid plan, keeping the input: %s", exc)
-        aligned = plan
+        aligned = _aligned(plan, pricer, budget)
+    except (PlanError, ValueError, IndexError) as exc:  # a bug in a move
+        log.warning("pass alignment failed, keeping the input: %s", exc)
+        return before, out
     after = price_passes(aligned, model, sharding)
-    if (after.empty, after.step_seconds) > (before.empty, before.step_seconds):
-        aligned, after = plan, before  # the per-wave choice cannot do this; kept as a guard
-    report = AlignmentReport(
+    out.append(((after.empty, after.step_seconds, j, 0), aligned, after))
+    return before, out
+
+
+def _choose(
+    candidates: list[tuple[tuple[int, float, int, int], StepPlan, PassCost]],
+) -> tuple[int, StepPlan, PassCost]:
+    """The best valid candidate (the fewest empty rank-passes, then seconds, then the earliest
+    plan, aligned before not): only the winner is validated, an invalid one (a bug in a move)
+    gives way to the next with a warning. An input plan is valid, so one always remains."""
+    for (_, _, j, raw), plan, cost in sorted(candidates, key=lambda c: c[0]):
+        if not raw:
+            try:
+                plan.validate()
+            except PlanError as exc:
+                log.warning("pass alignment produced an invalid plan, keeping the input: %s", exc)
+                continue
+        return j, plan, cost
+    raise AssertionError("an input plan is always a candidate")  # pragma: no cover
+
+
+def _report(before: PassCost, after: PassCost, budget: AlignBudget) -> AlignmentReport:
+    return AlignmentReport(
         passes_before=before.passes,
         passes_after=after.passes,
         empty_before=before.empty,
@@ -200,5 +303,52 @@ def align_passes(
         seconds_before=before.step_seconds,
         seconds_after=after.step_seconds,
         exposed_seconds_after=after.exposed_seconds,
+        complete=not budget.exhausted,
+        work=budget.spent,
     )
-    return aligned, report
+
+
+def align_best(
+    plans: list[StepPlan],
+    model: CostModel,
+    sharding: ShardingCost | None = None,
+    budget: AlignBudget | None = None,
+) -> tuple[int, StepPlan, AlignmentReport]:
+    """The best of ``plans`` (same batch and topology) once each is aligned: the fewest empty
+    rank-passes, then the fewest pass-timed seconds, then the earliest. Returns its index, the
+    aligned plan and a report against ``plans[0]`` unaligned (the plan the planner would hand
+    out without alignment).
+
+    ``budget`` (default: none) bounds the whole: ``plans[0]`` is aligned first, the others while
+    the budget lasts; a budget spent before anything was drafted hands out ``plans[0]`` as it
+    is, priced in lockstep (always valid). Pack prices are shared by every plan."""
+    budget = AlignBudget() if budget is None else budget
+    pricer = _Pricer(plans[0].lengths, model, sharding)
+    first, candidates = _candidates(0, plans[0], pricer, budget)
+    for j, plan in enumerate(plans[1:], start=1):
+        if budget.exhausted:
+            break
+        candidates += _candidates(j, plan, pricer, budget)[1]
+    index, plan, after = _choose(candidates)
+    return index, plan, _report(first, after, budget)
+
+
+def align_passes(
+    plan: StepPlan,
+    model: CostModel,
+    sharding: ShardingCost | None = None,
+    budget: AlignBudget | None = None,
+) -> tuple[StepPlan, AlignmentReport]:
+    """``plan`` with its passes aligned as far as the moves (and ``budget``) allow, and what
+    that changed.
+
+    Args:
+        plan: a valid plan.
+        model: prices each micro-batch.
+        sharding: prices each pass's collectives (``None``: collectives free).
+        budget: bounds the work (default: none); waves left when it runs out stay as they are.
+    """
+    budget = AlignBudget() if budget is None else budget
+    before, candidates = _candidates(0, plan, _Pricer(plan.lengths, model, sharding), budget)
+    _, aligned, after = _choose(candidates)
+    return aligned, _report(before, after, budget)

@@ -31,6 +31,8 @@ __all__ = ["DraftGroup", "WaveDraft"]
 
 #: Seconds of one pack of sequence ids on a group of (size, heads).
 Seconds = Callable[[int, int, tuple[int, ...]], float]
+#: Each sequence's padded tokens in a group of a size (``dyncp.plan.padding``).
+Memory = Callable[[int], list[int]]
 
 
 @dataclass(slots=True)
@@ -51,9 +53,17 @@ class WaveDraft:
     """One wave's groups, changed by the moves of the module docstring."""
 
     def __init__(
-        self, wave: Wave, topology: Topology, lengths: tuple[int, ...], seconds: Seconds
+        self,
+        wave: Wave,
+        topology: Topology,
+        lengths: tuple[int, ...],
+        seconds: Seconds,
+        memory: Memory | None = None,
     ) -> None:
+        """``memory`` (optional): padded tokens per size, cached by the caller, so that
+        ``fits`` sums integers instead of padding every sequence again (the same rule)."""
         self.topology, self.lengths, self.seconds = topology, lengths, seconds
+        self.memory = memory
         self.groups = [
             DraftGroup(g.start, g.size, g.heads, [list(mb.seq_ids) for mb in g.microbatches])
             for g in wave.groups
@@ -62,6 +72,7 @@ class WaveDraft:
     def copy(self) -> WaveDraft:
         other = object.__new__(WaveDraft)
         other.topology, other.lengths, other.seconds = self.topology, self.lengths, self.seconds
+        other.memory = self.memory
         other.groups = [
             DraftGroup(g.start, g.size, g.heads, [list(p) for p in g.packs]) for g in self.groups
         ]
@@ -74,7 +85,12 @@ class WaveDraft:
         return set(range(self.topology.world)) - busy
 
     def fits(self, ids: list[int], size: int) -> bool:
-        return self.topology.fits([self.lengths[i] for i in ids], size)
+        """Whether ``ids`` fit a group of ``size`` (``Topology.fits``: padded tokens per rank
+        within capacity)."""
+        if self.memory is None:
+            return self.topology.fits([self.lengths[i] for i in ids], size)
+        padded = self.memory(size)
+        return -(-sum(padded[i] for i in ids) // size) <= self.topology.capacity
 
     def pack_seconds(self, g: DraftGroup, ids: list[int]) -> float:
         return self.seconds(g.size, g.heads, tuple(ids))
