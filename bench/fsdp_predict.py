@@ -1,6 +1,7 @@
 """Predicted: step time and memory per rank of gather-once and full sharding, 8 B and 70 B models.
 
     python bench/fsdp_predict.py                     # 64 and 512 H100 ranks, WLB-LLM lengths
+    python bench/fsdp_predict.py --latency           # what alignment adds to plan() latency
 
 Nothing here is measured: every figure is a prediction from the H100 reference profiles and the
 formulas below, each parameter from measured data or a stated assumption. Shapes (Meta Llama 3
@@ -33,6 +34,14 @@ Columns: predicted step seconds; the collectives' seconds not hidden by compute 
 whole-model all-gather and reduce-scatter); passes and empty rank-passes a step (mean over the
 batches); memory per rank; whether it fits one H100.
 
+``--latency`` (measured, not predicted: wall clock of this machine) times, in one run, over
+``--batches`` batches of the 8 B model at ``--latency-world`` ranks (default 512): ``plan()`` of
+the default planner (``passes="free"``, wall-clock ``time_limit``), of ``passes="aligned"`` at the
+same ``time_limit`` and at ``--latency-limit`` seconds, and ``align_best`` alone with no budget
+on the free plan and its baselines' plans (what alignment costs when it runs to the end); p50s,
+and each as a ratio to the free planner's p50 in the same run. Run it with ``PYTHONPATH`` at
+another checkout to compare its alignment with this one's.
+
 FSDP units: the embedding, each block, and the final norm with the output head (untied, as in
 Llama 3). Their compute shares: the embedding none (a lookup), the head its share of the GEMM
 FLOPs per token, the blocks the rest equally. Collectives from the profile
@@ -60,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +83,8 @@ from dyncp.cost_model.sharding import ShardingCost, collective_from_profile
 from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import pass_schedule
 from dyncp.planner import Planner
+from dyncp.planner.baselines.candidates import BaselineCandidates
+from dyncp.planner.improvement.pass_align import align_best
 
 LLAMA3_70B = DecoderShape(
     name="llama3-70b-like",
@@ -211,6 +223,55 @@ def row(model: Model, world: int, capacity: int, steps: list[np.ndarray]) -> lis
     return rows
 
 
+def latency(model: Model, world: int, capacity: int, steps: list[np.ndarray], limit: float) -> None:
+    """Wall-clock p50 of ``plan()`` with and without alignment, and of alignment alone
+    (module docstring), each also as a ratio to the free planner's p50."""
+    cost = CostModel(model.profile, RANKS_PER_NODE)
+    sharding = model.sharding(world)
+    options = dict(world=world, ranks_per_node=RANKS_PER_NODE, capacity=capacity, bound="simple")
+    free = Planner(cost, **options)
+    planners = {
+        "aligned, same time_limit": Planner(cost, passes="aligned", sharding=sharding, **options),
+        f"aligned, time_limit {limit:g} s": Planner(
+            cost, passes="aligned", sharding=sharding, time_limit=limit, **options
+        ),
+    }
+    times: dict[str, list[float]] = {"free (default planner)": []}
+    notes: dict[str, list[str]] = {}
+    work: list[float] = []
+    for lengths in steps:
+        t0 = time.perf_counter()
+        plan = free.plan(lengths)
+        times["free (default planner)"].append(time.perf_counter() - t0)
+        for name, planner in planners.items():
+            t0 = time.perf_counter()
+            lock = planner.plan(lengths)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            report = lock.stats.alignment
+            notes.setdefault(name, []).append(
+                f"{report['empty_before']}->{report['empty_after']} empty"
+                + ("" if report.get("complete", True) else " (budget out)")
+            )
+        others = [p for _, p in BaselineCandidates(free.topology).plans(lengths, cost)]
+        t0 = time.perf_counter()
+        _, _, report = align_best([plan, *others], cost, sharding)
+        seconds = time.perf_counter() - t0
+        times.setdefault(f"align_best alone ({1 + len(others)} plans)", []).append(seconds)
+        if hasattr(report, "work"):
+            work.append(report.work / seconds)
+    base = float(np.median(times["free (default planner)"]))
+    print(
+        f"latency: {model.name}, {world} ranks, {len(steps)} batches of "
+        f"{', '.join(str(len(s)) for s in steps)} sequences; time_limit {free.time_limit:g} s"
+    )
+    for name, values in times.items():
+        p50 = float(np.median(values))
+        extra = f"  [{'; '.join(notes[name])}]" if name in notes else ""
+        print(f"  {name:<34} p50 {p50:7.3f} s  x{p50 / base:5.2f} of free{extra}")
+    if work:
+        print(f"  alignment work units a second (median): {np.median(work):,.0f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=Path("../shared/reference/h100-distca"))
@@ -220,8 +281,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-tokens", type=float, default=2.0, help="x world x capacity")
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency", action="store_true", help="time plan() instead (docstring)")
+    parser.add_argument("--latency-world", type=int, default=512)
+    parser.add_argument("--latency-limit", type=float, default=1.0, help="seconds")
     args = parser.parse_args(argv)
     lengths = load_lengths(resolve_dataset(args.dataset))
+    if args.latency:
+        world = args.latency_world
+        steps = batches(lengths, int(args.step_tokens * world * args.capacity), args.batches, 1)
+        eight = Model(name="8B", shape=SHAPES["llama3-8b"], profile=load_profile("h100-reference"))
+        latency(eight, world, args.capacity, steps, args.latency_limit)
+        return
     print(
         f"lengths: {args.dataset} ({len(lengths)} documents, mean {lengths.mean():.0f}, max "
         f"{lengths.max()}); capacity {args.capacity} tokens a rank; {args.batches} batches of "

@@ -22,6 +22,11 @@ the user improver, head splits, the baselines' own choices) and every reported f
 timing. ``timing="barrier"`` prices a barrier after every wave, as before, for comparison.
 ``passes="aligned"`` (FSDP2 full sharding) then aligns the passes of the plan and of the baselines'
 plans (``dyncp.planner.improvement.pass_align``) and hands out the best in lockstep, priced so.
+Alignment is a stage of the pipeline: it keeps ``ALIGN_SHARE`` of the step's limit (the search
+gets the rest), runs to the same deadline (deterministic mode: a number of work units derived
+from ``time_limit``, never a clock), aligns the planner's own plan first and the baselines' while
+time is left, and when the time runs out hands out the best plan so far -- at worst the unaligned
+plan, priced in lockstep (``stats.alignment["complete"]`` is then False).
 
 Budget and baselines: ``budget=StepBudget(...)`` (``dyncp.planner.budget``) makes the limit a
 share of the step the batch's closed-form lower bound predicts, decided before planning, so the
@@ -92,7 +97,7 @@ from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
-from dyncp.planner.improvement.pass_align import align_best
+from dyncp.planner.improvement.pass_align import AlignBudget, align_best
 from dyncp.planner.stages import PlannerStages, nested_core
 
 __all__ = [
@@ -116,6 +121,18 @@ TAIL_SECONDS_PER_SEQUENCE = 1.5e-6
 #: load, and a skipped baseline is a step on which dyncp may lose to it; the construction always
 #: realises its first structure, whatever is left.
 BASELINE_SHARE = 0.75
+
+#: Share of the step's planning limit kept for pass alignment (``passes="aligned"``): the rest
+#: is the search's (construction, layout search, CP-SAT). Half, because aligning the planner's
+#: own plan takes about as long as constructing it (``bench/fsdp_predict.py --latency``: at 512
+#: ranks and ~4,300 sequences, 0.2-0.3 s each on this machine) and its baselines' plans,
+#: aligned while time is left, can be the faster in lockstep.
+ALIGN_SHARE = 0.5
+#: Work units (``AlignBudget``: one group of one drafted wave) alignment does per second of
+#: its share in deterministic mode, where a clock would make plans differ between ranks:
+#: measured by ``bench/fsdp_predict.py --latency`` (9,581 units in 0.46 s at 512 ranks, about
+#: 21,000 a second, rounded down).
+ALIGN_WORK_PER_SECOND = 20_000
 
 
 class _Baseline(NamedTuple):
@@ -328,6 +345,9 @@ class Planner(PlannerStages):
             if not defer and self.bound == "tight":
                 tail += BOUND_SECONDS_PER_SEQUENCE * len(lengths)
         reserve = min(max(self.reserve_seconds, 1.1 * tail), 0.5 * limit)
+        align = self._align_budget(start, limit, reserve)
+        if align is not None:  # alignment's share is not the search's
+            limit *= 1.0 - ALIGN_SHARE
         deadline = None if self.deterministic else start + limit - reserve
         baselines = self._build_baselines(batch, self._baseline_deadline(start, deadline))
         plan, greedy = self._construct(batch, deadline)
@@ -355,7 +375,7 @@ class Planner(PlannerStages):
         if self.config.passes == "aligned":  # the best in lockstep of the plan and baselines
             others = list(baselines)
             best, plan, report = align_best(
-                [plan, *(b.final for b in others)], self.model, self.config.sharding
+                [plan, *(b.final for b in others)], self.model, self.config.sharding, align
             )
             if best:
                 stats["chosen"] = f"baseline:{others[best - 1].name}"
@@ -404,6 +424,16 @@ class Planner(PlannerStages):
         if not defer:
             plan.stats["timings"]["bound_seconds"] = t2 - t1
         return plan
+
+    def _align_budget(self, start: float, limit: float, reserve: float) -> AlignBudget | None:
+        """Alignment's budget (``passes="aligned"``, else None): what is left of ``limit``
+        after the search's ``1 - ALIGN_SHARE`` of it, up to the reserve; in deterministic mode
+        ``ALIGN_SHARE`` x ``limit`` x ``ALIGN_WORK_PER_SECOND`` work units, never a clock."""
+        if self.config.passes != "aligned":
+            return None
+        if self.deterministic:
+            return AlignBudget(work=int(ALIGN_SHARE * limit * ALIGN_WORK_PER_SECOND))
+        return AlignBudget(deadline=start + limit - reserve)
 
     def _defers(self, sequences: int, limit: float) -> bool:
         """Whether this batch's bounds are computed after ``plan()`` returns
