@@ -23,7 +23,12 @@ from dyncp.cost_model.layer_mix import LayerMixCostModel
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.pass_timing import PassCost, price_passes
 from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
-from dyncp.cost_model.sharding import Collective, ShardingCost, collective_from_profile
+from dyncp.cost_model.sharding import (
+    Collective,
+    ShardingCost,
+    collective_from_profile,
+    dtype_bytes,
+)
 
 __all__ = [
     "TIMINGS",
@@ -37,6 +42,7 @@ __all__ = [
     "ShardingCost",
     "bundled_profiles",
     "collective_from_profile",
+    "dtype_bytes",
     "evaluate_plan",
     "load_profile",
     "price_passes",

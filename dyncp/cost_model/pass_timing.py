@@ -72,7 +72,13 @@ def price_passes(
     collectives (``None``: free, a pass lasts its busiest micro-batch)."""
     priced = evaluate_plan(plan, model, timing="barrier")
     compute = pass_compute(plan, priced.microbatch_seconds)
-    seconds = compute if sharding is None else [sharding.pass_seconds(t) for t in compute]
+    if sharding is None:
+        seconds = compute
+    else:  # ``reduce="once"``: only the last pass reduce-scatters
+        n = len(compute)
+        seconds = [
+            sharding.pass_seconds(t, scatter=sharding.scatters(p, n)) for p, t in enumerate(compute)
+        ]
     schedule = pass_schedule(plan)
     step = float(np.sum(seconds)) + len(plan.waves) * model.wave_overhead
     return PassCost(step, tuple(seconds), tuple(compute), schedule.per_wave, schedule.empty)

@@ -24,6 +24,14 @@ for the whole step, the very buffer full sharding exists to remove; reduce-scatt
 keeps one unit's unsharded gradient at a time and accumulates the sharded ones (FSDP2's default).
 Its price is one reduce-scatter per unit per pass, counted above.
 
+A runner that accumulates unsharded gradients and reduces once (``reduce="once"``: the memory
+allows a whole gradient) reduce-scatters only in the step's last pass: every other pass prices
+``s_i = 0``, the last the formula above (``ShardingCost.scatters``).
+
+``ShardingCost.for_model`` builds one from what a model is -- its units' parameter counts, its
+dtypes (torch's names or bytes, read without torch) and the world -- with the collectives from a
+profile; ``dyncp.integrations.fsdp_mode`` reads those from a ``fully_shard`` model.
+
 Collectives are ``latency + bytes / bandwidth`` (``Collective``), bytes being the unit's whole
 unsharded buffer (the size nccl-tests reports: an all-gather's output, a reduce-scatter's input).
 ``ShardingCost.from_profile`` takes them from a profile's measured communication (see there); a
@@ -36,7 +44,50 @@ from dataclasses import dataclass
 
 from dyncp.cost_model.schema import Profile
 
-__all__ = ["Collective", "ShardingCost", "collective_from_profile"]
+__all__ = [
+    "DTYPE_BYTES",
+    "REDUCE",
+    "Collective",
+    "ShardingCost",
+    "collective_from_profile",
+    "dtype_bytes",
+]
+
+#: When gradients are reduce-scattered: in every pass, or once in the step's last pass.
+REDUCE = ("every-pass", "once")
+#: Bytes of an element of each floating dtype, by torch's name (``str(torch.bfloat16)`` without
+#: its ``"torch."``), so that the cost model reads a model's dtypes without importing torch.
+DTYPE_BYTES = {
+    "float64": 8,
+    "double": 8,
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str | int) -> int:
+    """Bytes of an element of ``dtype``: a name of ``DTYPE_BYTES`` (``"torch."`` allowed in
+    front), or already bytes (an int >= 1).
+
+    Raises:
+        ValueError: an unknown name or a count below 1.
+    """
+    if isinstance(dtype, bool) or not isinstance(dtype, int | str):
+        raise ValueError(f"dtype must be a dtype name or bytes, got {dtype!r}")
+    if isinstance(dtype, int):
+        if dtype < 1:
+            raise ValueError(f"dtype bytes must be >= 1, got {dtype}")
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
 
 #: Share of a pass's compute in its forward: a GEMM's backward runs two GEMMs of the forward's
 #: size (input and weight gradients), so 1 / (1 + 2) (Narayanan et al., "Efficient Large-Scale
@@ -126,6 +177,8 @@ class ShardingCost:
         grad_bytes: bytes of a reduce-scattered gradient (4: fp32 ``reduce_dtype``).
         gather, scatter: the all-gather and reduce-scatter over all ranks.
         forward_share: share of a unit's compute in its forward (default ``FORWARD_SHARE``).
+        reduce: ``"every-pass"`` (default: a reduce-scatter per unit in every pass) or
+            ``"once"`` (in the step's last pass only; module docstring).
 
     Raises:
         ValueError: an empty, negative or inconsistent field (the message names it).
@@ -138,8 +191,13 @@ class ShardingCost:
     gather: Collective
     scatter: Collective
     forward_share: float = FORWARD_SHARE
+    reduce: str = "every-pass"
 
     def __post_init__(self) -> None:
+        if self.reduce not in REDUCE:
+            raise ValueError(
+                f"ShardingCost.reduce must be one of {', '.join(REDUCE)}, got {self.reduce!r}"
+            )
         units = tuple(int(n) for n in self.unit_params)
         if not units or min(units) < 0:
             raise ValueError(f"ShardingCost.unit_params must be >= 0 each, got {units}")
@@ -179,6 +237,44 @@ class ShardingCost:
         link = collective_from_profile(profile, world=world, ranks_per_node=ranks_per_node)
         return cls(unit_params=unit_params, gather=link, scatter=link, **options)  # type: ignore[arg-type]
 
+    @classmethod
+    def for_model(
+        cls,
+        unit_params: tuple[int, ...],
+        *,
+        param_dtype: str | int,
+        reduce_dtype: str | int,
+        profile: Profile,
+        world: int,
+        ranks_per_node: int,
+        unit_compute: tuple[float, ...] = (),
+        reduce: str = "every-pass",
+    ) -> ShardingCost:
+        """The cost of a model's units under full sharding over ``world`` ranks.
+
+        Args:
+            unit_params: each FSDP unit's parameters, in forward order (a ``fully_shard``
+                root first: it is gathered first and reduced last).
+            param_dtype, reduce_dtype: what the units are gathered in and their gradients
+                reduced in (FSDP2's ``MixedPrecisionPolicy``), as names or bytes.
+            profile, world, ranks_per_node: the collectives (``collective_from_profile``).
+            unit_compute, reduce: as the class's fields.
+        """
+        return cls.from_profile(
+            profile,
+            world=world,
+            ranks_per_node=ranks_per_node,
+            unit_params=tuple(unit_params),
+            unit_compute=tuple(unit_compute),
+            param_bytes=dtype_bytes(param_dtype),
+            grad_bytes=dtype_bytes(reduce_dtype),
+            reduce=reduce,
+        )
+
+    def scatters(self, index: int, passes: int) -> bool:
+        """Whether pass ``index`` of a step of ``passes`` reduce-scatters (``reduce``)."""
+        return self.reduce == "every-pass" or index == passes - 1
+
     @property
     def gather_seconds(self) -> tuple[float, ...]:
         """Each unit's all-gather."""
@@ -189,11 +285,13 @@ class ShardingCost:
         """Each unit's gradient reduce-scatter."""
         return tuple(self.scatter.seconds(n * self.grad_bytes) for n in self.unit_params)
 
-    def pass_seconds(self, compute: float) -> float:
-        """One pass whose busiest rank computes for ``compute`` seconds (0: an empty pass)."""
+    def pass_seconds(self, compute: float, *, scatter: bool = True) -> float:
+        """One pass whose busiest rank computes for ``compute`` seconds (0: an empty pass);
+        ``scatter=False``: a pass that reduces no gradient (``reduce="once"``, not the last)."""
         if compute < 0:
             raise ValueError(f"compute must be >= 0 seconds, got {compute}")
-        a, s = self.gather_seconds, self.scatter_seconds
+        a = self.gather_seconds
+        s = self.scatter_seconds if scatter else (0.0,) * len(a)
         f = [compute * self.forward_share * x for x in self.unit_compute]
         b = [compute * (1.0 - self.forward_share) * x for x in self.unit_compute]
         n = len(a)

@@ -3,6 +3,8 @@
     choice = choose_fsdp_mode(model, memory_budget=70 * 2**30, activation_bytes=act)
     print(choice.reason)          # the bytes each mode needs against the budget
     runner = choice.runner(model) # an FSDPRunner, or a ShardedFSDPRunner(reduce=...)
+    planner = Planner(cost, world=..., ranks_per_node=8, capacity=...,
+                      **choice.planner_options(cost.profile, ranks_per_node=8))
 
 The two runners trade memory for communication. Gather-once
 (:class:`~dyncp.integrations.fsdp.FSDPRunner`) all-gathers every unit once and reduces once per
@@ -29,6 +31,10 @@ the caller; the same in every mode, since every mode runs the same micro-batches
   ``(T_R + 2 T_B) b_r`` with ``"every-pass"`` (the units' unsharded gradients before their
   reduce-scatter).
 
+The planner prices the chosen mode: ``FSDPModeChoice.planner_options`` gives gather-once the
+default (dataflow) planner and full sharding ``passes="aligned"`` with a ``ShardingCost`` of the
+model's own units, dtypes and reduce mode (``dyncp.cost_model.sharding``).
+
 These are the tensors the runners keep alive, counted the way the multirank tests measure them
 (gather-once's peak is in ``bench/fsdp_bench.py``; full sharding's unsharded parameters never
 exceed the root and one block on CPU, see ``tests/multirank/test_fsdp_sharded.py``; the second
@@ -45,6 +51,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from dyncp.cost_model import Profile, ShardingCost
 
 __all__ = ["FSDPModeChoice", "FSDPSizes", "choose_fsdp_mode", "mode_bytes"]
 
@@ -72,8 +80,18 @@ class FSDPSizes:
     reduce_bytes: int
     master_bytes: int
     optimizer_bytes: float  # per trainable parameter (AdamW: two moments, 2 x master bytes)
+    #: Every unit's parameters, root first, then the others in module order (the order their
+    #: forwards run in for a sequential stack); what the planner's ``ShardingCost`` prices.
+    #: Empty when the sizes were not read from a model.
+    unit_params: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        units = tuple(int(n) for n in self.unit_params)
+        object.__setattr__(self, "unit_params", units)
+        if units and (min(units) < 0 or sum(units) != self.params):
+            raise ValueError(
+                f"unit_params must be >= 0 each and sum to params ({self.params}), got {units}"
+            )
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
         counts = (self.params, self.trainable, self.root, self.root_trainable, self.block)
@@ -134,6 +152,7 @@ class FSDPSizes:
             reduce_bytes=_bytes(reduce),
             master_bytes=m,
             optimizer_bytes=2.0 * m if optimizer_bytes is None else optimizer_bytes,
+            unit_params=tuple(u[0] for u in units),
         )
 
 
@@ -168,6 +187,7 @@ class FSDPModeChoice:
     needs: dict[Mode, int]
     memory_budget: int
     reason: str
+    sizes: FSDPSizes | None = None  # what the choice was made from (``planner_options``)
 
     @property
     def reduce(self) -> Literal["every-pass", "once"] | None:
@@ -185,6 +205,49 @@ class FSDPModeChoice:
         from dyncp.integrations.fsdp_sharded import ShardedFSDPRunner
 
         return ShardedFSDPRunner(model, reduce=self.reduce)
+
+    def planner_options(
+        self,
+        profile: Profile,
+        *,
+        ranks_per_node: int,
+        world: int | None = None,
+        unit_compute: tuple[float, ...] = (),
+    ) -> dict[str, object]:
+        """The ``PlannerConfig`` fields that make the planner price this mode.
+
+        Gather-once runs a plan dataflow, with no collective in its passes:
+        ``{"passes": "free", "sharding": None}`` (the default planner). Full sharding runs
+        lockstep passes whose collectives span every rank: ``{"passes": "aligned",
+        "sharding": ShardingCost.for_model(...)}`` with the model's own unit sizes, its gather
+        and reduce dtypes, this mode's ``reduce`` and the collectives over ``world`` ranks
+        (default: the FSDP mesh's) from ``profile``. Use as
+        ``Planner(model, world=..., ranks_per_node=..., capacity=..., **options)``.
+
+        Raises:
+            ValueError: full sharding, but the sizes carry no ``unit_params`` (give
+                ``choose_fsdp_mode`` the model, or ``FSDPSizes`` with them).
+        """
+        if self.reduce is None:
+            return {"passes": "free", "sharding": None}
+        sizes = self.sizes
+        if sizes is None or not sizes.unit_params:
+            raise ValueError(
+                "planner_options needs each FSDP unit's parameters: choose the mode from the "
+                "fully_shard model (choose_fsdp_mode(model, ...)) or from FSDPSizes with "
+                "unit_params"
+            )
+        sharding = ShardingCost.for_model(
+            sizes.unit_params,
+            param_dtype=sizes.compute_bytes,
+            reduce_dtype=sizes.reduce_bytes,
+            profile=profile,
+            world=sizes.world if world is None else world,
+            ranks_per_node=ranks_per_node,
+            unit_compute=unit_compute,
+            reduce=self.reduce,
+        )
+        return {"passes": "aligned", "sharding": sharding}
 
 
 def choose_fsdp_mode(
@@ -228,7 +291,9 @@ def choose_fsdp_mode(
                 )
                 + f"; {_SPEED[mode]}"
             )
-            return FSDPModeChoice(mode=mode, needs=needs, memory_budget=memory_budget, reason=why)
+            return FSDPModeChoice(
+                mode=mode, needs=needs, memory_budget=memory_budget, reason=why, sizes=sizes
+            )
     raise ValueError(
         f"no FSDP2 mode fits the budget of {_mib(memory_budget)} per rank ({listed}); shrink the "
         f"model per rank first (tensor or pipeline parallel) or lower the activations"

@@ -14,6 +14,7 @@ from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits, l
 from dyncp.planner.improvement.laminar import LaminarImprover, LaminarResult
 from dyncp.planner.improvement.pass_align import (
     PASSES,
+    AlignBudget,
     AlignmentReport,
     align_best,
     align_passes,
@@ -31,6 +32,7 @@ __all__ = [
     "LaminarResult",
     "SplitEnvelope",
     "WaveDraft",
+    "AlignBudget",
     "align_best",
     "align_passes",
     "aligned_waves",

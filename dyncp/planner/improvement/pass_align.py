@@ -158,7 +158,10 @@ class _Pricer:
                 if t > busiest[p]:
                     busiest[p] = t
         if self.sharding is not None:
-            busiest = [self.sharding.pass_seconds(t) for t in busiest]
+            # ``reduce="once"``: a wave's passes are priced without their reduce-scatter,
+            # which only the step's last pass runs (the same in every draft of the last wave).
+            scatter = self.sharding.reduce == "every-pass"
+            busiest = [self.sharding.pass_seconds(t, scatter=scatter) for t in busiest]
         return draft.empty(), sum(busiest) + self.model.wave_overhead
 
 

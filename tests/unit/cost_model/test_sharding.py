@@ -7,7 +7,12 @@ import pytest
 
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.pass_timing import price_passes
-from dyncp.cost_model.sharding import Collective, ShardingCost, collective_from_profile
+from dyncp.cost_model.sharding import (
+    Collective,
+    ShardingCost,
+    collective_from_profile,
+    dtype_bytes,
+)
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
 
 REL = 1e-12
@@ -136,3 +141,55 @@ def test_a_plan_priced_as_passes():
     free = price_passes(plan, model)  # collectives free: the passes' busiest compute
     assert free.step_seconds == pytest.approx(max(a, c) + b + model.wave_overhead, rel=REL)
     assert free.exposed_seconds == pytest.approx(0.0, abs=1e-12)
+
+
+def test_for_model_reads_names_and_bytes_and_takes_the_profiles_collectives():
+    profile = CostModel.load("h100-reference", 8).profile
+    units = (1_000_000, 2_000_000, 2_000_000, 500_000)
+    named = ShardingCost.for_model(
+        units,
+        param_dtype="torch.bfloat16",
+        reduce_dtype="float32",
+        profile=profile,
+        world=64,
+        ranks_per_node=8,
+    )
+    link = collective_from_profile(profile, world=64, ranks_per_node=8)
+    assert named.unit_params == units
+    assert (named.param_bytes, named.grad_bytes) == (2, 4)
+    assert named.gather == named.scatter == link
+    assert named.reduce == "every-pass"
+    by_bytes = ShardingCost.for_model(
+        units, param_dtype=2, reduce_dtype=4, profile=profile, world=64, ranks_per_node=8
+    )
+    assert by_bytes == named
+    assert dtype_bytes("float64") == 8 and dtype_bytes("torch.float16") == 2
+    with pytest.raises(ValueError, match="unknown dtype 'int7'"):
+        dtype_bytes("int7")
+    with pytest.raises(ValueError, match="dtype bytes must be >= 1"):
+        dtype_bytes(0)
+    with pytest.raises(ValueError, match="ShardingCost.reduce must be one of every-pass, once"):
+        ShardingCost.for_model(
+            units,
+            param_dtype=2,
+            reduce_dtype=4,
+            profile=profile,
+            world=8,
+            ranks_per_node=8,
+            reduce="never",
+        )
+
+
+def test_reduced_once_only_the_last_pass_reduce_scatters():
+    model = CostModel.load("h100-reference", 2)
+    plan = two_rank_plan()
+    every, once = hand_case(), hand_case(reduce="once")
+    priced = price_passes(plan, model, once)
+    first, last = priced.pass_compute
+    # The hand case without reduce-scatters in pass 1 (s = 0): compute 40 s would give
+    # forward 17.5 and backward 7 + 22.5 + max(7.5, 0) + 0 = 37; here by the formula.
+    assert once.pass_seconds(40.0, scatter=False) == pytest.approx(17.5 + 37.0, rel=REL)
+    expected = once.pass_seconds(first, scatter=False) + once.pass_seconds(last)
+    assert priced.step_seconds == pytest.approx(expected + model.wave_overhead, rel=REL)
+    assert once.pass_seconds(last) == every.pass_seconds(last)
+    assert priced.step_seconds < price_passes(plan, model, every).step_seconds
