@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.pass_timing import PassCost, price_passes
 from dyncp.cost_model.sharding import ShardingCost
@@ -133,6 +135,9 @@ class _Pricer:
             # (a merge or hand-off rebuilds packs in another order).
             canonical = (size, heads, tuple(sorted(ids)))
             seconds = self._cache.get(canonical)
+            if seconds is None and len(ids) == 1:  # a split's or a peel's: every one at once
+                self._seed_alone(size, heads)
+                seconds = self._cache.get(canonical)
             if seconds is None:
                 lengths = [self.lengths[i] for i in canonical[2]]
                 split = {"heads": heads} if heads > 1 else {}
@@ -140,6 +145,34 @@ class _Pricer:
                 self._cache[canonical] = seconds
             self._cache[key] = seconds
         return seconds
+
+    def seed(self, plan: StepPlan) -> None:
+        """Price ``plan``'s packs that are not cached yet, one vectorised call per group size
+        and head split (``packs_seconds``): most packs a draft prices are the input's, and one
+        call per pack made most of alignment's pricing time."""
+        todo: dict[tuple[int, int], dict[tuple[int, ...], None]] = {}
+        for wave in plan.waves:
+            for g in wave.groups:
+                for mb in g.microbatches:
+                    ids = tuple(sorted(mb.seq_ids))
+                    if ids and (g.size, g.heads, ids) not in self._cache:
+                        todo.setdefault((g.size, g.heads), {})[ids] = None
+        for (size, heads), packs in todo.items():
+            ids = list(packs)
+            lengths = np.array([self.lengths[i] for pack in ids for i in pack], dtype=np.int64)
+            starts = np.cumsum([0] + [len(pack) for pack in ids[:-1]])
+            split = {"heads": heads} if heads > 1 else {}
+            seconds = self.model.packs_seconds(size, lengths, starts, **split)  # type: ignore[call-arg]
+            for pack, t in zip(ids, seconds.tolist()):
+                self._cache[(size, heads, pack)] = t
+
+    def _seed_alone(self, size: int, heads: int) -> None:
+        """Every sequence alone on a group of (size, heads), one vectorised call."""
+        split = {"heads": heads} if heads > 1 else {}
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        seconds = self.model.alone_seconds(size, lengths, **split)  # type: ignore[call-arg]
+        for i, t in enumerate(seconds.tolist()):
+            self._cache.setdefault((size, heads, (i,)), t)
 
     def memory(self, size: int) -> list[int]:
         """Each sequence's padded tokens in a group of ``size`` (``dyncp.plan.padding``),
@@ -270,6 +303,7 @@ def _candidates(
     model, sharding = pricer.model, pricer.sharding
     before = price_passes(plan, model, sharding)
     out = [((before.empty, before.step_seconds, j, 1), plan, before)]
+    pricer.seed(plan)
     try:
         aligned = _aligned(plan, pricer, budget)
     except (PlanError, ValueError, IndexError) as exc:  # a bug in a move
