@@ -123,16 +123,17 @@ TAIL_SECONDS_PER_SEQUENCE = 1.5e-6
 BASELINE_SHARE = 0.75
 
 #: Share of the step's planning limit kept for pass alignment (``passes="aligned"``): the rest
-#: is the search's (construction, layout search, CP-SAT). Half, because aligning the planner's
-#: own plan takes about as long as constructing it (``bench/fsdp_predict.py --latency``: at 512
-#: ranks and ~4,300 sequences, 0.2-0.3 s each on this machine) and its baselines' plans,
-#: aligned while time is left, can be the faster in lockstep.
+#: is the search's (construction, layout search, CP-SAT). Half: at 512 ranks and ~4,300
+#: sequences, aligning the plan and its four baselines' plans to the end takes about twice the
+#: free planner's whole ``plan()`` (``bench/fsdp_predict.py --latency``: 0.44 s against 0.20 s
+#: p50), so an even split lets a limit of about a second do both; a baseline's plan, aligned
+#: while time is left, can be the faster in lockstep.
 ALIGN_SHARE = 0.5
 #: Work units (``AlignBudget``: one group of one drafted wave) alignment does per second of
 #: its share in deterministic mode, where a clock would make plans differ between ranks:
-#: measured by ``bench/fsdp_predict.py --latency`` (9,581 units in 0.46 s at 512 ranks, about
-#: 21,000 a second, rounded down).
-ALIGN_WORK_PER_SECOND = 20_000
+#: measured by ``bench/fsdp_predict.py --latency`` (a median of 50,122 a second over 5 batches
+#: at 512 ranks, on a 2-core machine shared with other jobs), rounded down.
+ALIGN_WORK_PER_SECOND = 50_000
 
 
 class _Baseline(NamedTuple):
@@ -374,12 +375,15 @@ class Planner(PlannerStages):
         seconds = cost.step_seconds
         if self.config.passes == "aligned":  # the best in lockstep of the plan and baselines
             others = list(baselines)
+            unaligned = plan
             best, plan, report = align_best(
                 [plan, *(b.final for b in others)], self.model, self.config.sharding, align
             )
             if best:
                 stats["chosen"] = f"baseline:{others[best - 1].name}"
-            cost, seconds = self._price(plan, self.model), report.seconds_after
+            if plan is not unaligned:  # else ``cost`` is still the plan's
+                cost = self._price(plan, self.model)
+            seconds = report.seconds_after
             stats["alignment"] = report.as_dict()
         t0 = time.perf_counter()
         plan.validate()

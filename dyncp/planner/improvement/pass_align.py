@@ -303,6 +303,8 @@ def _candidates(
     model, sharding = pricer.model, pricer.sharding
     before = price_passes(plan, model, sharding)
     out = [((before.empty, before.step_seconds, j, 1), plan, before)]
+    if budget.exhausted:  # nothing left to draft with: the input as it is
+        return before, out
     pricer.seed(plan)
     try:
         aligned = _aligned(plan, pricer, budget)
