@@ -18,7 +18,9 @@ model card and the models' published config.json):
 Each step's global batch is drawn from the bundled WLB-LLM length sample (``--dataset``) until it
 holds ``--steps-tokens`` x world x capacity tokens (default 2: two micro-batches a rank if packed
 perfectly), and planned by the deterministic dyncp planner (closed-form bound, no CP-SAT: the
-plans at 512 ranks take seconds). Per model, world and mode, over ``--batches`` batches:
+plans at 512 ranks take seconds) with the default ``StepBudget``: steps of seconds get its 2 s
+cap, half of which is alignment's, as work units (``dyncp.planner.planner.ALIGN_SHARE``).
+Per model, world and mode, over ``--batches`` batches:
 
 - ``gather-once``: today's FSDP runner: the whole model is all-gathered (bf16) before the step and
   its gradients reduce-scattered (fp32) after it, not overlapped; the plan runs dataflow
@@ -82,7 +84,7 @@ from dyncp.cost_model.shapes import SHAPES, DecoderShape
 from dyncp.cost_model.sharding import ShardingCost, collective_from_profile
 from dyncp.data.readers import load_lengths, resolve_dataset
 from dyncp.plan import pass_schedule
-from dyncp.planner import Planner
+from dyncp.planner import Planner, StepBudget
 from dyncp.planner.baselines.candidates import BaselineCandidates
 from dyncp.planner.improvement.pass_align import align_best
 
@@ -188,6 +190,7 @@ def row(model: Model, world: int, capacity: int, steps: list[np.ndarray]) -> lis
         deterministic=True,
         bound="simple",
         cpsat=None,
+        budget=StepBudget(),  # alignment's share: work units enough to finish here
     )
     free = Planner(cost, **options)
     aligned = {

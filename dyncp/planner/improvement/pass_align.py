@@ -19,6 +19,18 @@ Waves are priced apart, because a pass-timed step is the sum of its waves. The d
 is always a candidate, so the result never has more empty passes than the input nor, at as many,
 more predicted seconds; the aligned plan is validated, and the input is kept if it failed.
 
+Budget (``AlignBudget``): alignment is a stage of the planner's deadline. Every draft but the
+wave as it is spends work (its groups) and is drafted only while the budget allows: by a
+wall-clock deadline, or by work units alone in deterministic mode, so that the plan is a pure
+function of the input. The drafts come most promising first (the chains round robin, highest
+pack counts first); waves left when it runs out stay as they are, and a budget spent before the
+first wave hands out the input plan, which is valid, priced in lockstep. The choice among drafts
+is the same whatever the order they were drafted in (each keeps its rank in a full run).
+
+Speed: drafts share their packs (a move replaces a pack, never changes it in place), and the
+input plans' packs and every sequence alone are priced in one vectorised call per group size,
+the rest once per set of sequence ids; only the chosen plan is validated.
+
 ``align_best`` aligns several plans of one batch (the planner's own and its baselines', built
 for another timing) and keeps the best aligned one: a plan that was slower as dataflow can be the
 faster in lockstep.
