@@ -17,8 +17,10 @@ weigh zero would show):
 
 Asserted: loss within 1e-12 and gradients within 1e-9 of one process; every rank runs its
 micro-batches plus the schedule's empty passes; FSDP2's collectives per rank; 10 AdamW steps
-within 1e-9 in both reduce modes. Refused with a clear error: HSDP + TP (a 3-D mesh), and a TP
-model stepped with the whole job's pool instead of its TP index's.
+within 1e-9 in both reduce modes; ``FSDPSizes`` (what ``choose_fsdp_mode`` prices) counts one
+rank's share: the shard dim's world, one TP rank's parameter parts. Refused with a clear
+error: HSDP + TP (a 3-D mesh), and a TP model stepped with the whole job's pool instead of its
+TP index's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
+from dyncp.integrations.fsdp_mode import FSDPSizes  # noqa: E402
 from dyncp.integrations.fsdp_sharded import ShardedFSDPRunner  # noqa: E402
 from dyncp.integrations.hf import register_ring_attention  # noqa: E402
 from dyncp.plan import StepPlan, pass_schedule  # noqa: E402
@@ -132,6 +135,7 @@ def _worker(rank: int, world: int) -> dict:
                 opt.step()
                 opt.zero_grad()
             out["adam"][how, reduce] = full_params(model)
+    out["sizes"] = {how: FSDPSizes.of(wrap_2d(how, KIND[how], meshes[how])) for how in KIND}
     out["refused"] = _refusals(pool, meshes["tp"])
     return out
 
@@ -213,6 +217,26 @@ def test_adamw_steps_equal_single_process(results: list[dict], how: str, reduce:
         for rank in range(WORLD):
             err = (results[rank]["adam"][how, reduce][name] - param).abs().max().item()
             assert err <= 1e-9, (how, reduce, rank, name, err)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["hsdp", "tp"])
+def test_sizes_count_what_one_rank_shards(results: list[dict], how: str) -> None:
+    """choose_fsdp_mode's sizes on 2-D meshes: W is the shard dim's 2 ranks (HSDP replicates
+    over the other 2), and under TP the counts are one TP rank's parts of the parameters."""
+    model = make_model(KIND[how])
+
+    def local(name: str, param: torch.Tensor) -> int:
+        split = how == "tp" and any(name.endswith(f"{key}.weight") for key in TP_PLAN)
+        return param.numel() // TP if split else param.numel()
+
+    total = sum(local(n, p) for n, p in model.named_parameters())
+    block = sum(local(n, p) for n, p in blocks_of(model)[0].named_parameters())
+    layers = len(blocks_of(model))
+    for rank in range(WORLD):
+        sizes = results[rank]["sizes"][how]
+        assert (sizes.params, sizes.trainable, sizes.world) == (total, total, 2), (how, sizes)
+        assert (sizes.root, sizes.block) == (total - layers * block, block), (how, sizes)
 
 
 @pytest.mark.timeout(600)
