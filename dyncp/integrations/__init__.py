@@ -6,7 +6,7 @@
 ``dyncp.integrations.fsdp_layout``: where each FSDP2 parameter's gradient goes in its unit's
 reduce-scatter (1-D, HSDP and DP x TP meshes), and the FSDP2 root check.
 ``dyncp.integrations.fsdp_sharded``: the same with FSDP2's own per-block full sharding in lockstep
-passes, ``ShardedFSDPRunner``.
+passes, ``ShardedFSDPRunner`` (1-D, HSDP and DP x TP meshes).
 ``dyncp.integrations.fsdp_mode``: which of the two a per-rank memory budget allows,
 ``choose_fsdp_mode``.
 ``dyncp.integrations.ddp``: step plans on ``DistributedDataParallel`` models, ``DDPRunner``.

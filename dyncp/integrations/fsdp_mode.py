@@ -16,7 +16,8 @@ pass-aligned. So the rule is: the fastest mode that fits. In order: gather-once;
 with gradients reduced once (``reduce="once"``: one reduce-scatter per unit per step, a whole
 unsharded gradient held); full sharding with gradients reduced every pass (sharded gradients).
 
-Per-rank bytes, with P parameters (T of them trainable), W ranks on the FSDP mesh, compute
+Per-rank bytes, with P parameters (T of them trainable; under tensor parallelism, this TP rank's
+parts of them), W ranks on the FSDP mesh's shard dim (HSDP replicates over the other), compute
 (unsharded parameter) dtype bytes b_c, reduce dtype bytes b_r, master (sharded parameter) bytes
 b_m, optimizer bytes per trainable parameter b_o, the root unit's own parameters R (T_R
 trainable) and the largest other unit's B (T_B trainable), A the activations' peak (measured by
@@ -44,13 +45,14 @@ kernels' workspaces are not in them: keep them out of ``memory_budget``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dyncp.cost_model import Profile, ShardingCost
 
@@ -65,8 +67,10 @@ MODES: tuple[Mode, ...] = ("gather-once", "sharded-once", "sharded-every-pass")
 class FSDPSizes:
     """What the modes' memory depends on: parameter counts per rank and the dtypes' bytes.
 
-    Counts are whole (unsharded) parameters; ``root``: the root unit's own, ``block``: the
-    largest other unit's (``*_trainable``: those with ``requires_grad``).
+    Counts are whole (unsharded) parameters, under tensor parallelism the TP rank's parts, and
+    ``world`` the FSDP shard dim's size (HSDP's replicate dim holds copies); ``root``: the root
+    unit's own, ``block``: the largest other unit's (``*_trainable``: those with
+    ``requires_grad``).
     """
 
     params: int
@@ -128,11 +132,12 @@ class FSDPSizes:
                 policy = group.mp_policy
                 for fsdp_param in group.fsdp_params:
                     param = fsdp_param.sharded_param
-                    total += param.numel()
-                    trainable += param.numel() if param.requires_grad else 0
+                    numel = _model_local_numel(param, group.mesh_info.mesh.ndim)
+                    total += numel
+                    trainable += numel if param.requires_grad else 0
                     if master is None and isinstance(param, DTensor):
                         master = param.dtype
-                        world = param.device_mesh.size()
+                        world = group.mesh_info.shard_mesh_size
                         compute = policy.param_dtype or param.dtype
                         reduce = policy.reduce_dtype or compute
             units.append((total, trainable))
@@ -154,6 +159,20 @@ class FSDPSizes:
             optimizer_bytes=2.0 * m if optimizer_bytes is None else optimizer_bytes,
             unit_params=tuple(u[0] for u in units),
         )
+
+
+def _model_local_numel(param: torch.Tensor, fsdp_dims: int) -> int:
+    """Elements of the tensor FSDP2 shards on this rank: the whole parameter, or under tensor
+    parallelism (mesh dims after the ``fully_shard`` mesh's) this TP rank's part of it."""
+    if not isinstance(param, DTensor):
+        return param.numel()
+    mesh, shape = param.device_mesh, list(param.shape)
+    for j, placement in enumerate(param.placements):
+        if j >= fsdp_dims and isinstance(placement, Shard):
+            size, n, k = shape[placement.dim], mesh.size(j), mesh.get_local_rank(j)
+            step = -(-size // n)
+            shape[placement.dim] = min(max(size - k * step, 0), step)
+    return math.prod(shape)
 
 
 def mode_bytes(sizes: FSDPSizes, *, activation_bytes: int = 0) -> dict[Mode, int]:

@@ -56,11 +56,28 @@ root: in-flight collectives waited, every unit resharded), the failed step's gra
 the earlier ``.grad`` put back and the settings restored. A collective of FSDP2's that fails
 because another rank failed names that rank (a lockstep execute blames any rank of the axis).
 
-Requirements (checked, with a clear error): FSDP2 (``fully_shard``) on a 1-D mesh on the same
-ranks as the pool's DP x CP axis; every trainable parameter under some ``fully_shard`` module;
-a whole :class:`~dyncp.plan.StepPlan` (not a PlanSlice: every group's micro-batch count is
-needed to align the passes). ``step_fn`` runs exactly one forward+backward through the model
-per call and backwards ``loss * ctx.loss_scale``.
+Meshes (tested exact against one process in ``tests/multirank/test_fsdp_sharded.py`` and
+``tests/multirank/test_fsdp_sharded_mesh.py``):
+
+- 1-D: ``fully_shard(..., mesh=mesh)`` on the pool's DP x CP ranks.
+- HSDP: ``fully_shard(..., mesh=mesh2d)``, replicate x shard. FSDP2 reduce-scatters over the
+  shard dim and all-reduces over the replicate dim; the divide factor of 1 with forced SUM
+  covers both collectives (no averaging over either), and every rank of the 2-D mesh is one
+  DP x CP rank of the plan: the pool spans them all, and the lockstep passes run over all.
+- FSDP2 + tensor parallel: a ("dp_cp", "tp") mesh, ``parallelize_module(block, mesh["tp"], ...)``
+  inside each block, then ``fully_shard`` on ``mesh["dp_cp"]``. dyncp schedules the DP x CP axis
+  only: each TP index has its own pool over the DP x CP ranks with that index (the plan's world
+  is the dp_cp size), and the TP ranks of one DP x CP position run the same plan position, so
+  the same micro-batches and the same empty passes (the filler is a function of the plan), and
+  meet in the same TP collectives.
+
+Anything else (HSDP + TP, two model-parallel dims: 3-D) is refused with the placements named.
+
+Requirements (checked, with a clear error): FSDP2 (``fully_shard``) on one of the meshes above,
+whose DP x CP ranks (at this rank's TP index) are the pool's ranks; every trainable parameter
+under some ``fully_shard`` module; a whole :class:`~dyncp.plan.StepPlan` (not a PlanSlice: every
+group's micro-batch count is needed to align the passes). ``step_fn`` runs exactly one
+forward+backward through the model per call and backwards ``loss * ctx.loss_scale``.
 """
 
 from __future__ import annotations
@@ -69,12 +86,10 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from dyncp.integrations.axis import check_same_ranks
 from dyncp.plan import StepPlan, pass_schedule
 from dyncp.runtime import GroupPool, MicroBatchContext, RankReport, execute
 
@@ -111,7 +126,7 @@ class ShardedFSDPRunner:
         self.model = model
         self.reduce = reduce
         self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self._group = _mesh_group(model)
+        self._dp_ranks = _dp_ranks(model)
 
     @property
     def units(self) -> int:
@@ -140,7 +155,12 @@ class ShardedFSDPRunner:
             PlanMismatchError, PlanError, StepFailed: from ``execute``, unchanged; the
                 gradients are then as before the step.
         """
-        check_same_ranks(self._group, pool, what="the FSDP mesh")
+        if list(self._dp_ranks) != sorted(pool.ranks):
+            raise ValueError(
+                f"the FSDP mesh spans ranks {list(self._dp_ranks)}, the pool's DP x CP axis "
+                f"ranks {sorted(pool.ranks)}; gradients must be summed over exactly the plan's "
+                f"ranks (under tensor parallelism: a pool per TP index, over its DP x CP ranks)"
+            )
         if not isinstance(plan, StepPlan):
             raise ValueError(
                 f"ShardedFSDPRunner needs the whole StepPlan to align the passes, got a "
@@ -243,40 +263,52 @@ class ShardedFSDPRunner:
             param.grad = None
 
 
-def _mesh_group(model: nn.Module) -> dist.ProcessGroup:
-    """The one 1-D mesh's process group every trainable parameter is sharded on (checked)."""
-    sharded = {
-        id(p)
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for p in m.parameters()
-        if isinstance(p, DTensor)
-    }
-    group, stray = None, []
+def _dp_ranks(model: nn.Module) -> tuple[int, ...]:
+    """The DP x CP ranks every trainable parameter's gradient is summed over (checked).
+
+    Read from each unit's FSDP2 mesh (the mesh given to ``fully_shard``): a 1-D mesh shards over
+    its ranks; an HSDP 2-D mesh (replicate x shard) reduce-scatters over the shard dim and
+    all-reduces over the replicate dim, so it sums over all its ranks. A parameter's own mesh may
+    add one tensor-parallel dim to a 1-D FSDP mesh (``fully_shard`` on the "dp_cp" sub-mesh
+    after ``parallelize_module``); the gradient is then summed over this TP index's ranks only.
+    """
+    owner: dict[int, tuple[int, int]] = {}  # id(param) -> (FSDP mesh dims, ranks) of its unit
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            mesh = group.mesh_info.mesh
+            ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+            for fsdp_param in group.fsdp_params:
+                owner[id(fsdp_param.sharded_param)] = (mesh.ndim, ranks)
+    found, stray = None, []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if id(param) not in sharded:
+        if id(param) not in owner or not isinstance(param, DTensor):
             stray.append(name)
             continue
-        mesh = param.device_mesh
-        if mesh.ndim != 1:
+        fsdp_dims, ranks = owner[id(param)]
+        model_dims = param.device_mesh.ndim - fsdp_dims
+        if param.device_mesh.ndim > 2 or (fsdp_dims, model_dims) not in ((1, 0), (2, 0), (1, 1)):
             raise ValueError(
-                f"parameter {name!r} is sharded on a {mesh.ndim}-D mesh; ShardedFSDPRunner "
-                f"supports fully_shard on a 1-D mesh (the pool's DP x CP axis)"
+                f"parameter {name!r} is placed {tuple(param.placements)} on a "
+                f"{param.device_mesh.ndim}-D mesh ({fsdp_dims}-D FSDP mesh); ShardedFSDPRunner "
+                f"supports fully_shard on a 1-D mesh, HSDP on a 2-D (replicate, shard) mesh, and "
+                f"a 1-D FSDP mesh with one tensor-parallel dim (2-D in all)"
             )
-        if group is None:
-            group = mesh.get_group()
-        elif dist.get_process_group_ranks(mesh.get_group()) != dist.get_process_group_ranks(group):
+        if found is None:
+            found = (ranks, name)
+        elif ranks != found[0]:
             raise ValueError(
-                f"parameter {name!r} is sharded on another mesh than the first parameter's; "
-                f"shard every unit on the one DP x CP mesh"
+                f"parameters {found[1]!r} and {name!r} are sharded over different DP x CP ranks "
+                f"({list(found[0])} vs {list(ranks)}); shard every unit on the one DP x CP mesh"
             )
     if stray:
         raise ValueError(
             f"trainable parameters outside every fully_shard module: {stray[:5]}; shard the root "
             f"module too (fully_shard(model)) so each parameter has one owner"
         )
-    if group is None:
+    if found is None:
         raise ValueError("the model has no trainable parameter under fully_shard")
-    return group
+    return found[0]
