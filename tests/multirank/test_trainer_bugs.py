@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from contexts import whole_batch_context
 
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave
-from dyncp.ring_attention import make_ring_layout
 from dyncp.runtime import GroupPool, MicroBatchContext, reduce_gradients, reduce_loss
 from dyncp.testing import LossSum, ThroughDDP, TinyConfig, TinyDecoder, microbatch_loss
 from dyncp.testing.distributed import run_gloo
@@ -172,17 +172,7 @@ def reference() -> dict[str, torch.Tensor]:
     opt = adamw(model)
     for step in range(ADAM_STEPS):
         tokens = tokens_for(step)
-        ctx = MicroBatchContext(
-            step_wave=0,
-            group_start=0,
-            cp=1,
-            rank_in_group=0,
-            seq_ids=tuple(range(len(LENGTHS))),
-            sample_ids=None,
-            seqlens=LENGTHS,
-            layout=make_ring_layout(seqlens=LENGTHS, cp=1),
-            loss_scale=1.0 / sum(s - 1 for s in LENGTHS),
-        )
+        ctx = whole_batch_context(LENGTHS)
         microbatch_loss(model, ctx, torch.cat(tokens)).backward()
         opt.step()
         opt.zero_grad()

@@ -10,15 +10,13 @@ batches, the mean token loss over their unmasked labels, the same clipping and A
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from trainer_data import VOCAB, masked_documents  # noqa: E402
+from trainer_data import VOCAB, masked_documents, torchrun_env  # noqa: E402
 
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.integrations.hf import register_ring_attention  # noqa: E402
@@ -49,14 +47,7 @@ def planner() -> Planner:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29555",
-    )
+    torchrun_env(rank, world, 29555)
     from transformers import TrainerCallback, TrainingArguments
 
     from dyncp.integrations.trainer import PLAN_KEY, DynCPTrainer

@@ -24,6 +24,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from contexts import whole_batch_context  # noqa: E402
 from torch.distributed._composable.checkpoint_activation import checkpoint  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
@@ -33,7 +34,6 @@ from dyncp.integrations.ddp import DDPRunner  # noqa: E402
 from dyncp.integrations.fsdp import FSDPRunner  # noqa: E402
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention  # noqa: E402
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave  # noqa: E402
-from dyncp.ring_attention import make_ring_layout  # noqa: E402
 from dyncp.runtime import GroupPool, MicroBatchContext, reduce_loss  # noqa: E402
 from dyncp.testing import (  # noqa: E402
     LossSum,
@@ -231,18 +231,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
 
 def reference_step(model: nn.Module, tokens: list[torch.Tensor]) -> torch.Tensor:
     """The global batch's mean token loss on one process (one CP-1 micro-batch), backwarded."""
-    lengths = tuple(int(t.numel()) for t in tokens)
-    ctx = MicroBatchContext(
-        step_wave=0,
-        group_start=0,
-        cp=1,
-        rank_in_group=0,
-        seq_ids=tuple(range(len(lengths))),
-        sample_ids=None,
-        seqlens=lengths,
-        layout=make_ring_layout(seqlens=lengths, cp=1),
-        loss_scale=1.0 / sum(s - 1 for s in lengths),
-    )
+    ctx = whole_batch_context([t.numel() for t in tokens])
     loss = loss_of(model, ctx, torch.cat(tokens))
     loss.backward()
     return loss.detach()
@@ -309,21 +298,31 @@ def test_pool_on_other_ranks_is_refused(results: list[dict]) -> None:
         assert "FSDP mesh spans ranks [0, 1, 2, 3]" in results[rank]["refused"]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["fsdp", "ddp"])
-def test_adamw_steps_equal_single_process(results: list[dict], how: str) -> None:
-    model = make_model("tiny")
+def assert_adamw_steps_match(
+    got: list[dict], kind: str, *, tokens=tokens_for, label: tuple = ()
+) -> None:
+    """``ADAM_STEPS`` AdamW steps (lr 1e-2, weight decay 0.1) of ``make_model(kind)`` on one
+    process, on ``tokens(100 + step)``: every parameter moved, and each rank's parameters in
+    ``got`` (one dict per rank) are within 1e-9 of them."""
+    model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(ADAM_STEPS):
-        reference_step(model, tokens_for(100 + step))
+        reference_step(model, tokens(100 + step))
         opt.step()
         opt.zero_grad()
     for name, param in model.named_parameters():
         assert (param - start[name]).abs().max() > 1e-3, name  # the steps moved it
-        for rank in range(WORLD):
-            err = (results[rank]["adam"][how][name] - param).abs().max().item()
-            assert err <= 1e-9, (how, rank, name, err)
+        for rank, params in enumerate(got):
+            err = (params[name] - param).abs().max().item()
+            assert err <= 1e-9, (*label, rank, name, err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["fsdp", "ddp"])
+def test_adamw_steps_equal_single_process(results: list[dict], how: str) -> None:
+    assert len(results) == WORLD
+    assert_adamw_steps_match([r["adam"][how] for r in results], "tiny", label=(how,))
 
 
 def test_bad_models_are_refused() -> None:

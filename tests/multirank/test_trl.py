@@ -21,8 +21,6 @@ losses and parameters equal the unpacked run's; ``"wrapped"`` packing is refused
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -30,6 +28,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("tokenizers")
 pytest.importorskip("trl")
+
+from trainer_data import torchrun_env  # noqa: E402
 
 from dyncp.cost_model import CostModel  # noqa: E402
 from dyncp.planner import Planner  # noqa: E402
@@ -118,14 +118,7 @@ def model(attn: str):
 def _worker(
     rank: int, world: int, out_dir: str, capacity: int, batch_tokens: int, cfg: dict | None = None
 ) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29556",
-    )
+    torchrun_env(rank, world, 29556)
     from dyncp.integrations.hf import register_ring_attention
     from dyncp.integrations.trainer import PLAN_KEY
     from dyncp.integrations.trl import DynCPSFTTrainer

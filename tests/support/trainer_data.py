@@ -1,6 +1,9 @@
-"""The documents the Trainer tests train on: random tokens, every third with a masked 'prompt'."""
+"""What the Trainer tests share: their documents (random tokens, every third with a masked
+'prompt') and the environment torchrun would give a rank."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -19,3 +22,16 @@ def masked_documents(n: int) -> list[dict]:
             row["labels"] = [-100] * (length // 2) + ids[length // 2 :]
         rows.append(row)
     return rows
+
+
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """Set what torchrun would set for ``rank`` of ``world`` on this host (the Trainer's
+    accelerate reads it), the rendezvous on ``port``."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )

@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from contexts import whole_batch_context  # noqa: E402
+
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention  # noqa: E402
-from dyncp.ring_attention import make_ring_layout  # noqa: E402
-from dyncp.runtime import MicroBatchContext  # noqa: E402
 from dyncp.testing.hf_models import tiny_causal_lm, tiny_config  # noqa: E402
 
 VOCAB = 61
@@ -44,17 +44,7 @@ def ring_step(kernel: str) -> tuple[float, dict[str, torch.Tensor], list[torch.d
     the attention outputs' dtypes."""
     seen: list[torch.dtype] = []
     m = model(register_ring_attention(), seen)
-    ctx = MicroBatchContext(
-        step_wave=0,
-        group_start=0,
-        cp=1,
-        rank_in_group=0,
-        seq_ids=tuple(range(len(LENGTHS))),
-        sample_ids=None,
-        seqlens=LENGTHS,
-        layout=make_ring_layout(seqlens=LENGTHS, cp=1),
-        loss_scale=1.0 / sum(n - 1 for n in LENGTHS),
-    )
+    ctx = whole_batch_context(LENGTHS)
     with torch.autocast("cpu", dtype=BF16):
         loss = causal_lm_loss(m, ctx, torch.cat(documents()), kernel=kernel)
     loss.backward()
