@@ -4,6 +4,7 @@ Modules:
 ``contract`` (StepPlan, Wave, Group, MicroBatch, validate(), the plan digest),
 ``topology`` (Topology: the ranks, the allowed group sizes and head splits, what fits),
 ``padding`` (the zigzag padding rule: a multiple of 2c over c ranks),
+``pipeline`` (pipeline stages and virtual stages; the 1F1B and interleaved operation orders),
 ``passes`` (a plan read as lockstep forward+backward passes; empty passes; pass-aligned),
 ``errors`` (PlanError, naming the broken rule),
 ``stats`` (PlanStats: what produced a plan, typed fields),
@@ -30,6 +31,7 @@ from dyncp.plan.menu import (
 )
 from dyncp.plan.padding import padded_length, padded_lengths, padding_multiple
 from dyncp.plan.passes import Pass, PassSchedule, pass_schedule
+from dyncp.plan.pipeline import SCHEDULES, Pipeline, PipelineOp, stage_order
 from dyncp.plan.slice import (
     HASH_BYTES,
     PlanSlice,
@@ -51,11 +53,14 @@ __all__ = [
     "NCCL_BUFFSIZE_BYTES",
     "PLACEMENT",
     "READABLE_VERSIONS",
+    "SCHEDULES",
     "SCHEMA_VERSION",
     "Group",
     "MicroBatch",
     "Pass",
     "PassSchedule",
+    "Pipeline",
+    "PipelineOp",
     "PlanError",
     "PlanSlice",
     "PlanStats",
@@ -82,5 +87,6 @@ __all__ = [
     "pool_blocks",
     "pool_count",
     "slice_plan",
+    "stage_order",
     "split_allowed",
 ]

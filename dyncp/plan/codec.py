@@ -8,11 +8,12 @@ plan document (its topology, its waves as plain tuples, lists of integers);
 ``StepPlan.from_dict`` in ``dyncp.plan.contract`` builds the plan from them, so the codec needs
 none of the plan's classes.
 
-Versions: ``schema_version`` 3 (the topology names its ``placement`` rule, ``"domain"``, and its
-group sizes may be any menu the rule allows); version 2 (groups carry ``heads``, the topology the
-allowed head sizes and the model's head counts) and version 1 (rings only, ``heads = 1``) are
-still read, under the same placement rule -- for their power-of-two sizes on power-of-two nodes it
-is the rule they were written under.
+Versions: ``schema_version`` 4 (an optional ``pipeline`` object: stages and virtual stages,
+``dyncp.plan.pipeline``); version 3 (the topology names its ``placement`` rule, ``"domain"``,
+and its group sizes may be any menu the rule allows); version 2 (groups carry ``heads``, the
+topology the allowed head sizes and the model's head counts) and version 1 (rings only,
+``heads = 1``) are still read, under the same placement rule -- for their power-of-two sizes on
+power-of-two nodes it is the rule they were written under.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 from typing import Any
 
 from dyncp.plan.errors import PlanError
+from dyncp.plan.pipeline import Pipeline
 from dyncp.plan.topology import PLACEMENT, Topology
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "GroupFields",
     "check_document",
     "decode_ints",
+    "decode_pipeline",
     "decode_topology",
     "decode_waves",
     "kind",
@@ -37,10 +40,11 @@ __all__ = [
     "require",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Plan JSON versions ``from_dict`` reads: 1 (rings only, before head parallelism), 2 (head
-#: splits, power-of-two menus) and 3 (menus shaped by the machine, named placement rule).
-READABLE_VERSIONS = (1, 2, 3)
+#: splits, power-of-two menus), 3 (menus shaped by the machine, named placement rule) and 4
+#: (pipeline stages).
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: Deepest nesting a plan document may have (a valid plan nests 5 levels; stats a few more).
 MAX_JSON_DEPTH = 32
 _INT_LIMIT = 2**63
@@ -105,6 +109,24 @@ def decode_waves(data: dict, version: int) -> tuple[tuple[GroupFields, ...], ...
     return tuple(
         tuple(_group(g, w, version) for g in _list(wave, f"waves[{w}]"))
         for w, wave in enumerate(_list(require(data, "waves", list, "plan"), "waves"))
+    )
+
+
+def decode_pipeline(data: dict, version: int) -> Pipeline | None:
+    """The document's pipeline (version 4; absent or null: an unpipelined plan)."""
+    p = data.get("pipeline")
+    if p is None:
+        return None
+    if version < 4:
+        raise PlanError("decode", f"plan field 'pipeline' needs schema_version 4, got {version}")
+    if not isinstance(p, dict):
+        raise PlanError("decode", f"plan field 'pipeline' must be an object, got {kind(p)}")
+    unknown = sorted(set(p) - {"stages", "virtual"})
+    if unknown:
+        raise PlanError("decode", f"plan field 'pipeline' has unknown keys {unknown}")
+    return Pipeline(
+        _int(require(p, "stages", int, "pipeline"), "pipeline.stages"),
+        _int(require(p, "virtual", int, "pipeline"), "pipeline.virtual"),
     )
 
 

@@ -39,6 +39,7 @@ from dyncp.plan.codec import (
     SCHEMA_VERSION,
     check_document,
     decode_ints,
+    decode_pipeline,
     decode_topology,
     decode_waves,
     loads,
@@ -46,6 +47,7 @@ from dyncp.plan.codec import (
 )
 from dyncp.plan.codec import kind as _kind
 from dyncp.plan.errors import PlanError
+from dyncp.plan.pipeline import Pipeline
 from dyncp.plan.stats import PlanStats
 from dyncp.plan.topology import Topology
 
@@ -56,6 +58,12 @@ __all__ = [
     "StepPlan",
     "plan_digest",
 ]
+
+
+#: The version the digest hashes first: the schema version digests were defined under. Plan JSON's
+#: version 4 added only ``pipeline``, which the digest appends when set, so a plan without one
+#: keeps its digest across the two versions.
+DIGEST_VERSION = 3
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -70,7 +78,7 @@ def plan_digest(plan: StepPlan) -> int:
     """
     t = plan.topology
     ids = plan.sample_ids
-    head = [SCHEMA_VERSION, t.world, t.ranks_per_node, t.capacity, len(t.group_sizes)]
+    head = [DIGEST_VERSION, t.world, t.ranks_per_node, t.capacity, len(t.group_sizes)]
     head += [*t.group_sizes, len(t.head_sizes), *t.head_sizes, t.query_heads, t.kv_heads]
     head += [len(plan.lengths), -1 if ids is None else len(ids), len(plan.waves)]
     flat: list[int] = []
@@ -81,6 +89,8 @@ def plan_digest(plan: StepPlan) -> int:
             for mb in g.microbatches:
                 flat.append(len(mb.seq_ids))
                 flat += mb.seq_ids
+    if plan.pipeline is not None:  # appended only when set: an unpipelined plan hashes as before
+        flat += (-2, plan.pipeline.stages, plan.pipeline.virtual)
     h = hashlib.blake2b(digest_size=8)
     try:
         for part in (head, plan.lengths, () if ids is None else ids, flat):
@@ -148,6 +158,8 @@ class StepPlan:
     lower bound), a ``PlanStats`` (``dyncp.plan.stats``; a dict given is taken as one); it is
     informational and not part of the rules.
     ``sample_ids`` optionally maps each sequence id to the caller's sample index (dataset row).
+    ``pipeline``: the plan runs over pipeline stages (``dyncp.plan.pipeline``); its waves are then
+    slots, each group holding exactly one micro-batch, in the order every column runs them.
     """
 
     topology: Topology
@@ -156,6 +168,7 @@ class StepPlan:
     policy: str = ""
     sample_ids: tuple[int, ...] | None = None
     stats: PlanStats = field(default_factory=PlanStats)
+    pipeline: Pipeline | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "stats" and type(value) is not PlanStats:
@@ -218,6 +231,28 @@ class StepPlan:
         missing = [] if len(seen) == n else [i for i in range(n) if i not in seen]
         if missing:
             raise PlanError("exactly-once", f"sequences never scheduled: {missing}", missing)
+        if self.pipeline is not None:
+            self._check_pipeline(self.pipeline)
+
+    def _check_pipeline(self, pipeline: Pipeline) -> None:
+        """A pipelined plan's waves are slots: one micro-batch per group, a count the schedule
+        allows (``dyncp.plan.pipeline``)."""
+        if not isinstance(pipeline, Pipeline):
+            raise PlanError(
+                "pipeline",
+                f"plan pipeline must be a Pipeline or None, got {type(pipeline).__name__}",
+            )
+        for w, wave in enumerate(self.waves):
+            for group in wave.groups:
+                if len(group.microbatches) != 1:
+                    raise PlanError(
+                        "pipeline-slot",
+                        f"slot {w}: group at rank {group.start} holds {len(group.microbatches)} "
+                        f"micro-batches; in a pipelined plan every group of a slot holds exactly "
+                        f"one (a column outside every group is idle in that slot)",
+                        (group.start,),
+                    )
+        pipeline.check_slots(len(self.waves))
 
     def _check_group(self, w: int, group: Group, used: dict[int, int]) -> None:
         topo = self.topology
@@ -317,6 +352,7 @@ class StepPlan:
                 for wave in self.waves
             ],
             "stats": self.stats,
+            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_dict()}),
         }
 
     @classmethod
@@ -353,6 +389,7 @@ class StepPlan:
             policy=policy,
             sample_ids=None if sample_ids is None else decode_ints(sample_ids, "sample_ids"),
             stats=PlanStats(stats),
+            pipeline=decode_pipeline(data, version),
         )
 
     @classmethod

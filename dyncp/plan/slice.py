@@ -194,7 +194,16 @@ def _content(plan: StepPlan, groups: list[tuple[int, Group]]) -> bytes:
 
 
 def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
-    """Cut a validated plan into its header and one record per position (proof + content)."""
+    """Cut a validated plan into its header and one record per position (proof + content).
+
+    A pipelined plan is refused: slices do not carry its stages yet, and a slice that dropped
+    them would run the plan unpipelined."""
+    if plan.pipeline is not None:
+        raise PlanError(
+            "pipeline",
+            f"plan slices do not carry pipeline stages; publish this {plan.pipeline.stages}-stage "
+            f"plan whole",
+        )
     world = plan.topology.world
     mine: list[list[tuple[int, Group]]] = [[] for _ in range(world)]
     for w, wave in enumerate(plan.waves):

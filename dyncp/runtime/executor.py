@@ -362,6 +362,11 @@ def execute(
         raise ValueError(
             "lockstep needs the whole StepPlan (every group's micro-batch count), not a PlanSlice"
         )
+    if not sliced and plan.pipeline is not None:
+        raise ValueError(
+            f"this plan runs over {plan.pipeline.stages} pipeline stages: run it with the "
+            f"pipeline runtime, not execute()"
+        )
     if agree:
         try:
             PendingAgreement(

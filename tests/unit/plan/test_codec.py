@@ -67,7 +67,7 @@ def test_optional_fields_default() -> None:
     assert back.waves == valid_plan().waves
 
 
-@pytest.mark.parametrize("version", [None, 0, 4, "1", True])
+@pytest.mark.parametrize("version", [None, 0, 5, "1", True])
 def test_bad_schema_version(version: object) -> None:
     data = valid_plan().to_dict()
     if version is None:

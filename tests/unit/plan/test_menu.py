@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyncp.cost_model import CostModel
-from dyncp.plan import Group, MicroBatch, PlanError, StepPlan, Topology, Wave
+from dyncp.plan import SCHEMA_VERSION, Group, MicroBatch, PlanError, StepPlan, Topology, Wave
 from dyncp.plan.menu import (
     MENU_KINDS,
     NCCL_BUFFSIZE_BYTES,
@@ -107,11 +107,11 @@ def _plan(world: int = 72, rpn: int = 72) -> StepPlan:
     return StepPlan(topo, (30000, 20000, 3000, 4000, 2000), (Wave(groups),))
 
 
-def test_menu_plans_validate_and_round_trip_as_version_3() -> None:
+def test_menu_plans_validate_and_round_trip_with_the_placement_rule() -> None:
     plan = _plan()
     plan.validate()
     data = json.loads(plan.to_json())
-    assert data["schema_version"] == 3 and data["topology"]["placement"] == "domain"
+    assert data["schema_version"] == SCHEMA_VERSION and data["topology"]["placement"] == "domain"
     back = StepPlan.from_json(plan.to_json())
     assert back.topology == plan.topology and back.waves == plan.waves
 
