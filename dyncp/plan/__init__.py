@@ -31,7 +31,7 @@ from dyncp.plan.menu import (
 )
 from dyncp.plan.padding import padded_length, padded_lengths, padding_multiple
 from dyncp.plan.passes import Pass, PassSchedule, pass_schedule
-from dyncp.plan.pipeline import SCHEDULES, Pipeline, PipelineOp, stage_order
+from dyncp.plan.pipeline import SCHEDULES, Pipeline, PipelineOp, stage_layers, stage_order
 from dyncp.plan.slice import (
     HASH_BYTES,
     PlanSlice,
@@ -87,6 +87,7 @@ __all__ = [
     "pool_blocks",
     "pool_count",
     "slice_plan",
+    "stage_layers",
     "stage_order",
     "split_allowed",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "SCHEDULES",
     "Pipeline",
     "PipelineOp",
+    "stage_layers",
     "stage_order",
 ]
 
@@ -102,6 +103,22 @@ class Pipeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": self.stages, "virtual": self.virtual}
+
+
+def stage_layers(layers: int, pipeline: Pipeline) -> tuple[int, ...]:
+    """Layers of each virtual stage ``q = chunk * stages + stage`` (``model_stages`` of them):
+    an even split, the first ``layers % model_stages`` virtual stages taking one more. The
+    embedding sits before virtual stage 0 and the head (norm, LM head, loss) after the last; the
+    runtime cuts the model and the cost model prices the stages by this one rule."""
+    n = pipeline.model_stages
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < n:
+        raise PlanError(
+            "pipeline",
+            f"{pipeline.stages} stages x {pipeline.virtual} virtual stages need at least {n} "
+            f"layers (one per virtual stage), got {layers!r}",
+        )
+    base, extra = divmod(layers, n)
+    return tuple(base + (1 if q < extra else 0) for q in range(n))
 
 
 @dataclass(frozen=True, slots=True)

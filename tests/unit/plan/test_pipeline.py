@@ -17,6 +17,7 @@ from dyncp.plan import (
     Wave,
     plan_digest,
     slice_plan,
+    stage_layers,
     stage_order,
 )
 
@@ -163,3 +164,10 @@ def test_the_replay_catches_a_wrong_order() -> None:
     assert orders[0][1] == PipelineOp("B", 0, 0)
     orders[1] = [PipelineOp("F", 1, 0), *[o for o in orders[1] if o != PipelineOp("F", 1, 0)]]
     assert not _runs(pipeline, 3, orders)
+
+
+def test_stage_layers_split_evenly_with_the_first_stages_taking_the_rest() -> None:
+    assert stage_layers(8, Pipeline(4)) == (2, 2, 2, 2)
+    assert stage_layers(10, Pipeline(2, 2)) == (3, 3, 2, 2)
+    with pytest.raises(PlanError, match="need at least 8 layers"):
+        stage_layers(6, Pipeline(4, 2))
