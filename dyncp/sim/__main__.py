@@ -18,7 +18,6 @@ training job runs under a wall-clock deadline (docs/guides/determinism.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,255 +27,23 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import TIMINGS, evaluate_plan
+from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.cost_model.schema import ProfileError, bundled_profiles
-from dyncp.data.readers import (
-    BUNDLED,
-    DEFAULT_DATASET,
-    DatasetError,
-    describe,
-    load_lengths,
-    resolve_dataset,
-)
+from dyncp.cost_model.schema import ProfileError
+from dyncp.data.readers import DatasetError, describe, load_lengths, resolve_dataset
 from dyncp.observability import Exporter, Metrics
-from dyncp.plan import StepPlan
-from dyncp.plan.menu import MENU_KINDS, menu_sizes
+from dyncp.plan import StepPlan, Topology
+from dyncp.plan.menu import menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
+from dyncp.sim.options import DEFAULT_MAX_LENGTH, OneLineParser, build_parser
 from dyncp.sim.progress import Progress
 from dyncp.sim.replay import (
-    OVERLONG_ACTIONS,
     admit,
     draw_batches,
     replay,
     synthetic_measurement,
 )
 from dyncp.sim.report import format_table, summarise
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
-def _deadline(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
-    return value
-
-
-def _head_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive integers such as 1,2,4,8, got {text!r}"
-        ) from None
-    if not sizes or any(u < 1 for u in sizes):
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive integers such as 1,2,4,8, got {text!r}"
-        )
-    return tuple(sorted({1, *sizes}))
-
-
-def _group_sizes(text: str) -> str | tuple[int, ...]:
-    """A menu kind (``dyncp.plan.menu.MENU_KINDS``) or comma-separated sizes."""
-    if text in MENU_KINDS:
-        return text
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or any(c < 1 for c in sizes):
-        raise argparse.ArgumentTypeError(
-            f"expected {' or '.join(MENU_KINDS)} or comma-separated positive sizes such as "
-            f"1,2,3,6,12, got {text!r}"
-        )
-    return tuple(sorted(set(sizes)))
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dyncp.sim",
-        description="Replay a length distribution and compare CP scheduling policies.",
-    )
-    p.add_argument(
-        "--dataset",
-        default=DEFAULT_DATASET,
-        help=f"bundled sample ({', '.join(BUNDLED)}) or a file: .parquet .csv .jsonl .txt .npy "
-        f"(default: {DEFAULT_DATASET})",
-    )
-    p.add_argument("--column", default=None, help="length column for parquet/csv/jsonl")
-    p.add_argument("--world", type=_positive, default=64, help="DP x CP ranks (default 64)")
-    p.add_argument("--ranks-per-node", type=_positive, default=8, help="(default 8)")
-    p.add_argument(
-        "--capacity",
-        type=_positive,
-        default=8192,
-        help="tokens per rank per micro-batch, after zigzag padding (default 8192)",
-    )
-    batch = p.add_mutually_exclusive_group()
-    batch.add_argument(
-        "--global-batch-tokens",
-        type=_positive,
-        default=None,
-        help="tokens per global batch (default: 2 x world x capacity)",
-    )
-    batch.add_argument("--global-batch-size", type=_positive, default=None, help="documents/step")
-    p.add_argument(
-        "--max-length",
-        type=_positive,
-        default=131072,
-        help="longest admitted document; sets the static policy's CP size (default 131072)",
-    )
-    p.add_argument(
-        "--overlong",
-        choices=OVERLONG_ACTIONS,
-        default="truncate",
-        help="what to do with longer documents (reported either way; default truncate)",
-    )
-    p.add_argument(
-        "--profile",
-        default="h100-reference",
-        help=f"bundled profile ({', '.join(bundled_profiles())}) or a profile JSON path",
-    )
-    p.add_argument(
-        "--policies",
-        default=None,
-        help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: all; "
-        f"{HYBRID_POLICY} only with --head-sizes)",
-    )
-    p.add_argument(
-        "--head-sizes",
-        type=_head_sizes,
-        default=(1,),
-        metavar="U,U,...",
-        help="head-parallel degrees a group may use (u ranks exchange heads by all-to-all, the "
-        "rest form the ring), e.g. 1,2,4,8; the dyncp-hybrid policy chooses among them "
-        "(default 1: rings only)",
-    )
-    p.add_argument(
-        "--group-sizes",
-        type=_group_sizes,
-        default="powers-of-two",
-        metavar="MENU",
-        help="the menu of CP sizes: powers-of-two (default: those dividing the world that fit "
-        "the placement rules), divisors (divisors of --ranks-per-node, the NVLink domain, and "
-        "whole-domain multiples), or a list such as 1,2,3,4,6,8,12 (see dyncp.plan.menu)",
-    )
-    p.add_argument(
-        "--time-limit",
-        type=_deadline,
-        default=None,
-        metavar="SECONDS",
-        help="plan under a wall-clock deadline of SECONDS per step, as a training job's anytime "
-        "planner does; plans then depend on the machine and its load (default: deterministic "
-        "planners, the same plans on any machine)",
-    )
-    p.add_argument(
-        "--timing",
-        choices=TIMINGS,
-        default="dataflow",
-        help="how a step is timed, planned for and reported: dataflow (default; no barrier "
-        "between waves, how dyncp's runtime runs a plan) or barrier (every wave ends together, "
-        "the price before dataflow execution; kept for one release, for comparison)",
-    )
-    p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
-    p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
-    p.add_argument("--json", type=Path, default=None, help="write the full report here")
-    obs = p.add_argument_group("metrics and plots")
-    obs.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics on this port while replaying (0: a free port, printed)",
-    )
-    obs.add_argument(
-        "--metrics-addr",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="address to serve on (default 127.0.0.1)",
-    )
-    obs.add_argument(
-        "--hold",
-        type=_seconds,
-        nargs="?",
-        const=math.inf,
-        default=None,
-        metavar="SECONDS",
-        help="keep serving metrics after the replay: SECONDS, or until interrupted if omitted",
-    )
-    obs.add_argument(
-        "--step-delay",
-        type=_seconds,
-        default=0.0,
-        metavar="SECONDS",
-        help="pause after each step so that a dashboard sees the replay unfold (default 0)",
-    )
-    obs.add_argument(
-        "--measurement-noise",
-        type=_seconds,
-        default=0.0,
-        metavar="SIGMA",
-        help="also feed synthetic 'measured' steps: each micro-batch's predicted time times "
-        "exp(N(0, SIGMA)), to try the measured-vs-predicted panels without a GPU (default 0: "
-        "no measured series)",
-    )
-    obs.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write PNGs: gantt-<policy>.png, gantt.png, step-seconds.png (needs matplotlib)",
-    )
-    obs.add_argument(
-        "--plot-step",
-        type=int,
-        default=0,
-        metavar="K",
-        help="step the Gantt charts show (default 0)",
-    )
-    return p
 
 
 def _planner_mode(time_limit: float | None) -> dict:
@@ -303,6 +70,59 @@ def _hold(exporter: Exporter, seconds: float) -> None:
             time.sleep(1.0 if forever else min(1.0, max(0.0, deadline - time.monotonic())))
     except KeyboardInterrupt:
         pass
+
+
+def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> tuple[int, ...]:
+    """The CP-size menu of the machine the flags describe; a flag that does not fit is reported
+    by its name and value (the planner's own errors name its arguments, not the flags)."""
+    world, per_node = args.world, args.ranks_per_node
+    if world > per_node and world % per_node:
+        parser.error(
+            f"--world {world} is not a whole number of nodes of --ranks-per-node {per_node}: "
+            f"give a multiple of {per_node}, or at most {per_node} ranks (one node)"
+        )
+    try:
+        sizes = (
+            menu_sizes(args.group_sizes, world=world, ranks_per_node=per_node)
+            if isinstance(args.group_sizes, str)
+            else args.group_sizes
+        )
+        topology = Topology(world, per_node, args.capacity, tuple(sizes))
+    except ValueError as exc:
+        shown = (
+            ",".join(map(str, args.group_sizes))
+            if isinstance(args.group_sizes, tuple)
+            else (args.group_sizes)
+        )
+        text = str(exc).removeprefix("Topology.group_sizes: ")
+        for name, flag in (("world=", "--world "), ("ranks_per_node=", "--ranks-per-node ")):
+            text = text.replace(name, flag)
+        parser.error(f"--group-sizes {shown}: {text}")
+    if HYBRID_POLICY in policies and args.head_sizes == (1,):
+        parser.error(
+            f"--policies {HYBRID_POLICY} chooses head splits: give --head-sizes beyond 1, such as "
+            f"--head-sizes 1,2,4,8"
+        )
+    largest = max(topology.group_sizes)
+    bad = [u for u in args.head_sizes if u > largest]
+    if bad:
+        parser.error(
+            f"--head-sizes {','.join(map(str, args.head_sizes))}: {bad} exceed the largest group "
+            f"({largest} ranks at --world {world})"
+        )
+    longest = topology.max_length()
+    chosen = args.max_length is not None
+    if not chosen:
+        args.max_length = DEFAULT_MAX_LENGTH
+    if args.max_length > longest:
+        where = "--max-length" if chosen else "the default --max-length"
+        parser.error(
+            f"{where} {args.max_length} exceeds the longest document {longest} tokens a group "
+            f"holds at --world {world} and --capacity {args.capacity}: give --max-length "
+            f"{longest} or less (longer documents then follow --overlong {args.overlong}; "
+            f"split keeps every token), or raise --capacity"
+        )
+    return tuple(topology.group_sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_dataset(args.dataset)
         raw = load_lengths(path, args.column)
+    except (DatasetError, ValueError) as exc:
+        parser.error(f"--dataset {args.dataset}: {exc}".replace(f": {args.dataset}: ", ": "))
+    try:
         model = CostModel.load(args.profile, args.ranks_per_node)
-        sizes = (
-            menu_sizes(args.group_sizes, world=args.world, ranks_per_node=args.ranks_per_node)
-            if isinstance(args.group_sizes, str)
-            else args.group_sizes
-        )
+    except (ProfileError, ValueError) as exc:
+        parser.error(f"--profile {args.profile}: {exc}")
+    sizes = _check_machine(parser, args, policies)
+    try:
         planners = {
             name: Planner(
                 model,
@@ -362,14 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in policies
         }
-    except (DatasetError, ProfileError, ValueError) as exc:
+    except ValueError as exc:
         parser.error(str(exc))
-    longest = planners[policies[0]].topology.max_length()
-    if args.max_length > longest:
-        parser.error(
-            f"--max-length {args.max_length} exceeds what the largest group holds ({longest} "
-            f"tokens = world x capacity, less zigzag padding)"
-        )
     lengths, admission = admit(raw, args.max_length, args.overlong)
     print(f"dataset {path} ({len(raw)} documents): {admission.summary()}", file=sys.stderr)
     tokens = args.global_batch_tokens
