@@ -39,7 +39,9 @@ from dyncp.sim.options import DEFAULT_MAX_LENGTH, OneLineParser, build_parser
 from dyncp.sim.progress import Progress
 from dyncp.sim.replay import (
     admit,
+    batch_notes,
     draw_batches,
+    plural,
     replay,
     synthetic_measurement,
 )
@@ -58,6 +60,21 @@ def _planner_mode(time_limit: float | None) -> dict:
     if time_limit is None:
         return {"deterministic": True}
     return {"deterministic": False, "time_limit": time_limit}
+
+
+def _latency_note(time_limit: float | None) -> str:
+    """What the table's plan p50/p99 columns measure, in the mode the planners ran in."""
+    if time_limit is None:
+        return (
+            "planners: deterministic (same plans on any machine); plan p50/p99 = this machine's "
+            "wall clock for the full deterministic search, not what a training job waits for "
+            "(its plan service plans ahead under a deadline: try --time-limit 0.1)"
+        )
+    return (
+        f"planners: anytime, under a {time_limit:g} s wall-clock deadline per step, as a "
+        f"training job's plan service runs them (plans may vary with the machine's load); plan "
+        f"p50/p99 = their wall clock"
+    )
 
 
 def _hold(exporter: Exporter, seconds: float) -> None:
@@ -187,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     lengths, admission = admit(raw, args.max_length, args.overlong)
-    print(f"dataset {path} ({len(raw)} documents): {admission.summary()}", file=sys.stderr)
+    print(
+        f"dataset {path} ({plural(len(raw), 'document')}): {admission.summary()}", file=sys.stderr
+    )
     tokens = args.global_batch_tokens
     if tokens is None and args.global_batch_size is None:
         tokens = 2 * args.world * args.capacity
@@ -206,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         flag = "--global-batch-size" if args.global_batch_size else "--global-batch-tokens"
         parser.error(f"--dataset {path}: {exc} ({flag})")
+    for line in batch_notes(batches, world=args.world):
+        print(line, file=sys.stderr)
     metrics: Metrics | None = None
     exporter: Exporter | None = None
     if args.metrics_port is not None:
@@ -276,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}, "
         f"{args.timing} timing"
     )
+    print(_latency_note(args.time_limit))
     print(format_table(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

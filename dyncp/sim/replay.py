@@ -20,7 +20,9 @@ from dyncp.planner.planner import Planner
 __all__ = [
     "OVERLONG_ACTIONS",
     "Admission",
+    "plural",
     "admit",
+    "batch_notes",
     "draw_batch_indices",
     "draw_batches",
     "PolicyRun",
@@ -44,15 +46,43 @@ class Admission:
     admitted_documents: int
 
     def summary(self) -> str:
-        if not self.overlong_documents:
+        """One sentence: how many documents were over ``max_length`` and what became of their
+        tokens (``skip`` drops them all, ``truncate`` the part beyond, ``split`` none)."""
+        n = self.overlong_documents
+        if not n:
             return f"no document exceeds --max-length {self.max_length}"
-        verb = {"skip": "skipped", "truncate": "truncated", "split": "split into pieces"}[
-            self.action
-        ]
-        return (
-            f"{self.overlong_documents} documents longer than --max-length {self.max_length} "
-            f"({self.overlong_tokens} tokens) were {verb}; {self.dropped_tokens} tokens dropped"
+        over = f"{plural(n, 'document')} longer than --max-length {self.max_length}"
+        if self.action == "skip":
+            return f"{over} skipped ({self.overlong_tokens:,} tokens dropped)"
+        if self.action == "truncate":
+            return (
+                f"{over} truncated to it ({self.dropped_tokens:,} of their "
+                f"{self.overlong_tokens:,} tokens dropped)"
+            )
+        return f"{over} split into pieces of at most {self.max_length} (no token dropped)"
+
+
+def batch_notes(batches: list[np.ndarray], *, world: int) -> list[str]:
+    """What a reader of the table should know about the batches drawn: the steps that hold the
+    longest documents (they set the step time and the CP sizes), and a warning when steps hold
+    fewer documents than there are ranks (most ranks then idle, whatever the policy)."""
+    if not batches:
+        return []
+    longest = [int(np.max(b)) if len(b) else 0 for b in batches]
+    top = sorted(range(len(batches)), key=lambda k: (-longest[k], k))[:3]
+    notes = ["longest documents: " + ", ".join(f"{longest[k]:,} tokens (step {k})" for k in top)]
+    mean = sum(len(b) for b in batches) / len(batches)
+    if mean < world:
+        notes.append(
+            f"warning: {mean:.1f} documents per step on {world} ranks: most ranks have nothing "
+            f"to run in any policy; raise --global-batch-tokens or --global-batch-size"
         )
+    return notes
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 document``, ``2 documents`` (with thousands separators)."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def admit(lengths: np.ndarray, max_length: int, action: str) -> tuple[np.ndarray, Admission]:
