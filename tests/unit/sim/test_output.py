@@ -11,7 +11,7 @@ from dyncp.sim.report import _mix
 
 
 def test_rare_cp_sizes_show_a_count_instead_of_zero_percent() -> None:
-    assert _mix({"1": 9990, "16": 3, "32": 7}, 10000) == "1:99.9% 16:3 seq 32:7 seq"
+    assert _mix({"1": 9990, "16": 3, "32": 7}, 10000) == "1:99.9% 16:3 seq 32:0.1%"
     assert _mix({"1": 5, "2": 5}, 10) == "1:50.0% 2:50.0%"
 
 
