@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent
 # checks that each names a test that exists.
 SLOW = frozenset(
     {
+        "examples/test_quickstart.py::test_the_quickstart_runs_as_written",
         "examples/test_sft_example.py::test_sft_example_runs",
         "examples/test_sft_trl_example.py::test_sft_trl_example_runs_packed",
         "multirank/test_calibration_runtime.py::test_every_rank_switches_model_at_the_same_step_and_runs_one_plan",
