@@ -153,13 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not policies:
         parser.error(f"--policies {args.policies!r}: choose from {','.join(ALL_POLICIES)}")
     if args.metrics_port is None:
-        for flag, value in (
-            ("--hold", args.hold),
-            ("--step-delay", args.step_delay),
-            ("--measurement-noise", args.measurement_noise),
-        ):
+        for flag, value in (("--hold", args.hold), ("--step-delay", args.step_delay)):
             if value:
                 parser.error(f"{flag} needs --metrics-port")
+        if args.measurement_noise and args.plot is None:
+            parser.error("--measurement-noise needs --metrics-port or --plot (where it is shown)")
     if args.json is not None:
         folder = args.json.parent
         if args.json.is_dir():
@@ -239,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     noise_rng = np.random.default_rng(args.seed)
     shown: dict[str, StepPlan] = {}
 
+    measured_steps: dict[str, list[float]] = {name: [] for name in policies}
+
     def on_plan(step: int, name: str, plan: StepPlan) -> None:
+        noisy = args.measurement_noise > 0
+        cost = evaluate_plan(plan, model, timing=args.timing) if noisy else None
         if metrics is not None:
-            noisy = args.measurement_noise > 0
-            cost = evaluate_plan(plan, model, timing=args.timing) if noisy else None
             metrics.observe_step(plan, cost=cost)
-            if cost is not None:
-                measured = synthetic_measurement(
-                    plan, cost, model, noise_rng, args.measurement_noise
-                )
+        if cost is not None:
+            measured = synthetic_measurement(plan, cost, model, noise_rng, args.measurement_noise)
+            measured_steps[name].append(measured.step_seconds)
+            if metrics is not None:
                 metrics.observe_measured_step(
                     policy=name,
                     step_seconds=measured.step_seconds,
@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             bounds=bounds,
             step=args.plot_step,
             caption=caption,
+            measured=measured_steps if args.measurement_noise else None,
         )
         print(f"plots written: {', '.join(str(w) for w in written)}", file=sys.stderr)
     if exporter is not None:

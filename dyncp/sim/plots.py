@@ -18,6 +18,7 @@ from dyncp.cost_model.evaluate import check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan
 from dyncp.sim.replay import PolicyRun
+from dyncp.sim.timeseries import timeseries_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -254,9 +255,12 @@ def write_plots(
     bounds: list[float],
     step: int = 0,
     caption: str = "",
+    measured: Mapping[str, list[float]] | None = None,
 ) -> list[Path]:
     """Write ``gantt-<policy>.png`` (step ``step`` of each policy), ``gantt.png`` (all policies on
-    one time axis) and ``step-seconds.png`` into ``directory``; returns the paths written.
+    one time axis), ``step-seconds.png`` and ``timeseries.png`` (the dashboard's per-step series,
+    ``dyncp.sim.timeseries``; ``measured``: policy -> measured step seconds) into ``directory``;
+    returns the paths written.
 
     Raises:
         PlotsUnavailable: matplotlib is missing.
@@ -277,4 +281,5 @@ def write_plots(
     if len(plans) > 1:
         save(gantt_figure(plans, model, caption=f"one step, every policy{suffix}"), "gantt.png")
     save(_step_figure(runs, bounds, caption), "step-seconds.png")
+    save(timeseries_figure(runs, bounds, measured=measured, caption=caption), "timeseries.png")
     return written

@@ -204,6 +204,9 @@ class PolicyRun:
     cp_sequences: Counter = field(default_factory=Counter)
     cp_tokens: Counter = field(default_factory=Counter)
     layouts: Counter = field(default_factory=Counter)  # sequences per group layout (head split)
+    multi_cp_share: list[float] = field(
+        default_factory=list
+    )  # per step: share of sequences at CP > 1
 
 
 def replay(
@@ -233,9 +236,12 @@ def replay(
             run.gap.append(st["gap_to_lower_bound"])
             run.plan_seconds.append(st["timings"]["plan_seconds"])
             run.waves.append(st["waves"])
+            ringed = 0
             for _, group, mb in plan.microbatches():
                 run.cp_sequences[group.size] += len(mb.seq_ids)
                 run.cp_tokens[group.size] += int(batch[list(mb.seq_ids)].sum())
+                ringed += len(mb.seq_ids) if group.size > 1 else 0
+            run.multi_cp_share.append(ringed / max(len(batch), 1))
             run.layouts.update(layout_histogram(plan))
         bounds.append(st["lower_bound_seconds"])
         if progress is not None:

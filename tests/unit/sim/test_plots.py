@@ -37,6 +37,7 @@ def test_plot_writes_a_gantt_per_policy_and_the_step_time_plot(tmp_path: Path) -
     assert main([*SMALL, "--steps", "3", "--plot", str(out)]) == 0
     names = {p.name for p in out.iterdir()}
     expected = {f"gantt-{p}.png" for p in POLICIES} | {"gantt.png", "step-seconds.png"}
+    expected.add("timeseries.png")
     assert names == expected
     for name in expected:
         width, height = png_size(out / name)
@@ -60,7 +61,11 @@ def test_plot_step_and_policy_subset(tmp_path: Path) -> None:
         str(out),
     ]
     assert main(args) == 0
-    assert {p.name for p in out.iterdir()} == {"gantt-megatron.png", "step-seconds.png"}
+    assert {p.name for p in out.iterdir()} == {
+        "gantt-megatron.png",
+        "step-seconds.png",
+        "timeseries.png",
+    }
 
 
 def test_plot_step_out_of_range(tmp_path: Path, capsys) -> None:
@@ -159,3 +164,14 @@ def test_gantt_writes_the_head_split_on_split_groups() -> None:
     assert split, "the plan has no split group to draw"
     # Groups wide enough to hold a label are labelled with their split (and only splits are).
     assert texts & split and not {t for t in texts if t.startswith("ring")}
+
+
+def test_the_timeseries_plot_shows_measured_steps_without_a_metrics_port(tmp_path: Path) -> None:
+    """The Grafana-free view: --plot with --measurement-noise draws the per-step series (and the
+    synthetic measured steps) with no Prometheus or port involved."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plots"
+    args = [*SMALL, "--steps", "4", "--policies", "static,dyncp", "--measurement-noise", "0.05"]
+    assert main([*args, "--plot", str(out)]) == 0
+    width, height = png_size(out / "timeseries.png")
+    assert width > 1000 and height > 600
