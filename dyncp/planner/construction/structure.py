@@ -191,15 +191,28 @@ class StructureSearch(FluidModel):
         )
 
     # ------------------------------------------------------------------------------ search
-    def improve(self, s: Structure, deadline: float | None, max_passes: int = 6) -> Structure:
-        """Best single move of each long sequence (size, stack, own group) while the cost falls."""
+    def improve(
+        self,
+        s: Structure,
+        deadline: float | None,
+        max_passes: int = 6,
+        max_evaluations: int | None = None,
+    ) -> Structure:
+        """Best single move of each long sequence (size, stack, own group) while the cost falls.
+
+        Bounded by ``deadline`` (wall clock) or, for deterministic planning, by
+        ``max_evaluations`` structure prices (``IMPROVE_EVALUATIONS``): a count, not a clock, so
+        the result is the same on any machine."""
         if not s.ids:
             return s
         state = _State(self, s)
+        stop = None if max_evaluations is None else self.evaluations + max_evaluations
         for _ in range(max_passes):
             improved = False
             for i in state.by_time():
                 if deadline is not None and time.perf_counter() >= deadline:
+                    return state.structure()
+                if stop is not None and self.evaluations >= stop:
                     return state.structure()
                 if state.best_move(i):
                     improved = True

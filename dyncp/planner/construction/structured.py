@@ -38,6 +38,13 @@ FIRST_SHARE = 0.3
 #: Share of the time to the deadline that building the column-packing starts may take (they
 #: cost milliseconds at 64 ranks, seconds at 16,384).
 STARTS_SHARE = 0.15
+#: Structure prices one improvement of a start may spend when no deadline bounds it (deterministic
+#: planning): a count, so the plan is the same on any machine. Measured with the simulator's
+#: defaults (64 ranks, the Wikipedia and WLB-LLM samples, capacities 8,192 and 16,384): at most
+#: 2,061 prices per improvement, so 100,000 leaves those plans unchanged (the 189 digests of
+#: ``bench/plan_digests.py`` are identical); at 4,096 ranks an improvement took 2.2 million
+#: (about 15 s each, 24 of them), which made one deterministic plan take minutes.
+IMPROVE_EVALUATIONS = 100_000
 # How many of the structure search's best structures are realised as candidates.
 STRUCTURES_REALISED = 3
 #: Batches whose tokens fill at most this many passes per rank on average (total padded tokens
@@ -167,7 +174,8 @@ class StructuredCandidates(StretchCandidates, Pouring):
         if deadline is not None:
             now = time.perf_counter()
             first_stop = now + FIRST_SHARE * max(deadline - now, 0.0)
-        first = search.improve(ranked[0], first_stop)
+        work = IMPROVE_EVALUATIONS if deadline is None else None
+        first = search.improve(ranked[0], first_stop, max_evaluations=work)
         yield self.realise(first, search, passes=False)
         plan = self.realise(first, search)
         realised = {first: plan}
@@ -181,7 +189,7 @@ class StructuredCandidates(StretchCandidates, Pouring):
             for s in ranked[int(not round_) : IMPROVED_STARTS]:
                 if deadline is not None and time.perf_counter() >= deadline:
                     break
-                s = search.improve(s, deadline)
+                s = search.improve(s, deadline, max_evaluations=work)
                 found.setdefault(s, search.levels(s)[0])
             best = sorted(found, key=lambda s: found[s])
             for s in [s for s in best if s not in done][: STRUCTURES_REALISED - 1]:
