@@ -255,7 +255,10 @@ class RankReport:
         return [(t.wave, t.cp, t.seconds) for t in self.timings]
 
 
-def _check(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
+def check_against_pool(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
+    """Validate ``plan`` (or only this rank's groups) and check every group it needs against
+    the pool, raising PlanError before any ring collective (the pipeline runtime runs it on each
+    stage's pool too)."""
     if validate:
         plan.validate()
     if plan.topology.world != pool.world:
@@ -280,10 +283,11 @@ def _check(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> No
                 )
 
 
-def _layout_maker(
+def layout_maker(
     group: Group, pool: GroupPool, rank: int
 ) -> Callable[[tuple[int, ...]], RingLayout | HybridLayout]:
-    """Builds each micro-batch's layout on the group's pre-built groups (looked up once)."""
+    """Builds each micro-batch's layout on the group's pre-built groups (looked up once); the
+    pipeline runtime builds its per-slot contexts with it too."""
     if group.heads == 1:
         pg = pool.group(group.start, group.size)
         return lambda seqlens: make_ring_layout(seqlens=seqlens, cp=group.size, group=pg, rank=rank)
@@ -381,7 +385,7 @@ def execute(
                 board, -1, me, exc, entered=entry, entered_wall=entry_wall, label=label
             )
             raise StepFailed(culprit.message, culprit.ranks) from exc
-    _check(plan, pool, validate=validate and not sliced)
+    check_against_pool(plan, pool, validate=validate and not sliced)
     if plan_check is not None:
         plan_check(plan)
     if sliced:
@@ -413,7 +417,7 @@ def execute(
         mbs = () if group is None else group.microbatches
         passes = mbs if by_wave is None else by_wave[w]
         if group is not None:
-            layout_for = _layout_maker(group, pool, pool.ranks[me])
+            layout_for = layout_maker(group, pool, pool.ranks[me])
         # whom a failed collective blames: the ring's ranks; in lockstep any rank (FSDP2's)
         if lockstep:
             start, size = 0, pool.world

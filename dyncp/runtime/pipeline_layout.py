@@ -1,0 +1,155 @@
+"""Where each process of a pipelined job sits, and whom each pipeline operation talks to.
+
+A pipelined plan (``dyncp.plan.pipeline``) runs on ``stages x columns`` processes: ``columns`` is
+the plan's ``topology.world`` (the DP x CP axis, the same on every stage) and every stage has its
+own copy of it. :class:`PipelineLayout` says which global rank is (stage, column); by default
+**stage-major**, ``rank = stage * columns + column`` (the first ``columns`` ranks are stage 0),
+so that one stage's columns are consecutive ranks: with ``ranks_per_node`` columns per node a
+stage's CP rings stay inside nodes and only stage-to-stage sends cross them.
+
+Routing (:func:`route`) is the one rule of the hand-off: the forward of virtual stage
+``q = chunk * stages + stage`` receives its input from virtual stage ``q - 1`` and sends its
+output to ``q + 1``, the backward the other way round, always on the *same column* (a column's
+zigzag shard is the same on every stage, so activations never change hands inside a stage).
+Messages travel on *channels*: one per (direction, sending stage, column), so that a channel's
+messages are received in the order they were sent (see ``dyncp.runtime.pipeline`` for why that
+order is the same on both ends). Torch-free on purpose: the ordering facts are checked in one
+process by the unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from dyncp.plan.pipeline import BACKWARD, FORWARD, Pipeline, PipelineOp, stage_order
+
+__all__ = ["DIRECTIONS", "Channel", "Hop", "PipelineLayout", "channel_messages", "route"]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """The process grid of a pipelined job: ``stages`` x ``columns`` processes.
+
+    Args:
+        stages: pipeline stages P (the plan's ``pipeline.stages``).
+        columns: positions on each stage's DP x CP axis (the plan's ``topology.world``).
+        ranks: global rank of each (stage, column), stage-major: ``ranks[stage * columns +
+            column]``; default ``range(stages * columns)`` (rank = stage * columns + column).
+
+    Raises:
+        ValueError: a count below 1, or ranks that are not ``stages * columns`` distinct
+            non-negative integers.
+    """
+
+    stages: int
+    columns: int
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, value in (("stages", self.stages), ("columns", self.columns)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PipelineLayout {name} must be an integer >= 1, got {value!r}")
+        n = self.stages * self.columns
+        ranks = tuple(range(n)) if not self.ranks else tuple(self.ranks)
+        if (
+            len(ranks) != n
+            or len(set(ranks)) != n
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+        ):
+            raise ValueError(
+                f"PipelineLayout ranks must be {n} distinct global ranks >= 0 (stages "
+                f"{self.stages} x columns {self.columns}, stage-major), got {list(self.ranks)}"
+            )
+        object.__setattr__(self, "ranks", ranks)
+
+    @property
+    def size(self) -> int:
+        """Processes in the grid."""
+        return self.stages * self.columns
+
+    def rank(self, stage: int, column: int) -> int:
+        """Global rank of (stage, column)."""
+        if not (0 <= stage < self.stages and 0 <= column < self.columns):
+            raise ValueError(
+                f"(stage {stage}, column {column}) is outside the grid of {self.stages} stages x "
+                f"{self.columns} columns"
+            )
+        return self.ranks[stage * self.columns + column]
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(stage, column) of a global rank."""
+        try:
+            i = self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in the pipeline grid {list(self.ranks)}") from None
+        return divmod(i, self.columns)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """Global ranks of one stage's DP x CP axis, in column order (its GroupPool's ranks)."""
+        return tuple(self.rank(stage, w) for w in range(self.columns))
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """Messages of one direction (``"F"``: activations, ``"B"``: their gradients) sent by
+    ``stage`` on ``column`` to the next (F) or previous (B) stage, wrapping around when
+    interleaved."""
+
+    kind: Literal["F", "B"]
+    stage: int
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One message of an operation: on ``channel``, to or from ``peer_stage`` (same column),
+    for the operation ``(kind, slot)`` of virtual stage ``peer_chunk * stages + peer_stage``."""
+
+    channel: Channel
+    peer_stage: int
+    peer_chunk: int
+
+
+def route(pipeline: Pipeline, stage: int, column: int, op: PipelineOp) -> tuple[Hop | None, ...]:
+    """``(receive, send)`` of ``op`` on (stage, column): where its input comes from and where
+    its output goes (None: the embedding's input is data, the head's output is the loss)."""
+    p, last = pipeline.stages, pipeline.model_stages - 1
+    q = op.chunk * p + stage
+    step = 1 if op.kind == FORWARD else -1
+    src, dst = q - step, q + step  # input from src, output to dst
+    recv = send = None
+    if 0 <= src <= last:
+        s, c = src % p, src // p
+        recv = Hop(Channel(op.kind, s, column), s, c)
+    if 0 <= dst <= last:
+        s, c = dst % p, dst // p
+        send = Hop(Channel(op.kind, stage, column), s, c)
+    return recv, send
+
+
+def channel_messages(
+    pipeline: Pipeline, slots: int, *, columns: int = 1, idle: Sequence[frozenset[int]] = ()
+) -> tuple[dict[Channel, list[tuple[int, int]]], dict[Channel, list[tuple[int, int]]]]:
+    """Every channel's messages as its sender sends them and as its receiver receives them, in
+    each one's operation order: ``(slot, chunk of the receiving operation)``. ``idle[j]``: the
+    columns idle in slot j (no operation, no message). The runtime is correct only if the two
+    lists of every channel are equal (received in the order sent); the unit tests check it."""
+    sent: dict[Channel, list[tuple[int, int]]] = {}
+    received: dict[Channel, list[tuple[int, int]]] = {}
+    for stage in range(pipeline.stages):
+        for op in stage_order(pipeline, slots, stage):
+            for column in range(columns):
+                if idle and column in idle[op.slot]:
+                    continue
+                recv, send = route(pipeline, stage, column, op)
+                if send is not None:
+                    sent.setdefault(send.channel, []).append((op.slot, send.peer_chunk))
+                if recv is not None:
+                    received.setdefault(recv.channel, []).append((op.slot, op.chunk))
+    return sent, received
+
+
+#: The two directions, for readers that iterate over them.
+DIRECTIONS = (FORWARD, BACKWARD)
