@@ -256,9 +256,6 @@ class RankReport:
 
 
 def check_against_pool(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
-    """Validate ``plan`` (or only this rank's groups) and check every group it needs against
-    the pool, raising PlanError before any ring collective (the pipeline runtime runs it on each
-    stage's pool too)."""
     if validate:
         plan.validate()
     if plan.topology.world != pool.world:
@@ -286,8 +283,7 @@ def check_against_pool(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate:
 def layout_maker(
     group: Group, pool: GroupPool, rank: int
 ) -> Callable[[tuple[int, ...]], RingLayout | HybridLayout]:
-    """Builds each micro-batch's layout on the group's pre-built groups (looked up once); the
-    pipeline runtime builds its per-slot contexts with it too."""
+    """Builds each micro-batch's layout on the group's pre-built groups (looked up once)."""
     if group.heads == 1:
         pg = pool.group(group.start, group.size)
         return lambda seqlens: make_ring_layout(seqlens=seqlens, cp=group.size, group=pg, rank=rank)
@@ -369,7 +365,7 @@ def execute(
     if not sliced and plan.pipeline is not None:
         raise ValueError(
             f"this plan runs over {plan.pipeline.stages} pipeline stages: run it with the "
-            f"pipeline runtime, not execute()"
+            f"pipeline runtime (dyncp.runtime.execute_pipeline), not execute()"
         )
     if agree:
         try:

@@ -223,7 +223,7 @@ def execute_pipeline(
         raise ValueError("this process is not on the pipeline grid")
     pipe, layout = plan.pipeline, groups.layout
     if pipe is None:
-        raise ValueError("this plan has no pipeline stages: run it with execute(), not the pipeline")
+        raise ValueError("this plan has no pipeline stages: run it with execute()")
     if pipe.stages != layout.stages or plan.topology.world != layout.columns:
         raise ValueError(
             f"the plan runs {pipe.stages} stages x {plan.topology.world} columns; the grid is "
@@ -485,4 +485,3 @@ class _naming:
             earlier=range(-1, slots),
         )
         raise StepFailed(culprit.message, culprit.ranks) from exc
-

@@ -80,11 +80,9 @@ class PipelineLayout:
 
     def place(self, rank: int) -> tuple[int, int]:
         """(stage, column) of a global rank."""
-        try:
-            i = self.ranks.index(rank)
-        except ValueError:
-            raise ValueError(f"rank {rank} is not in the pipeline grid {list(self.ranks)}") from None
-        return divmod(i, self.columns)
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in the pipeline grid {list(self.ranks)}")
+        return divmod(self.ranks.index(rank), self.columns)
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Global ranks of one stage's DP x CP axis, in column order (its GroupPool's ranks)."""

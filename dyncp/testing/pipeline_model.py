@@ -78,7 +78,12 @@ def tiny_chunks(
         first = sum(layers[:q])
         chunks.append(
             TinyChunk(
-                model, first, layers[q], embeds=q == 0, heads=q == last, tokens=tokens,
+                model,
+                first,
+                layers[q],
+                embeds=q == 0,
+                heads=q == last,
+                tokens=tokens,
                 kernel=kernel,
             )  # fmt: skip
         )

@@ -107,7 +107,7 @@ def _train_worker(rank: int, world: int, columns: int, cases: list[tuple[str, in
             model,
             plan.pipeline,
             groups.stage,
-            lambda ctx: torch.cat([tokens[i] for i in ctx.seq_ids]),
+            lambda ctx, tokens=tokens: torch.cat([tokens[i] for i in ctx.seq_ids]),
         )
         report = execute_pipeline(
             plan, groups, chunks, activation=Activation(hidden=CFG.dim, dtype=torch.float64)
@@ -163,9 +163,8 @@ def _fail_worker(rank: int, world: int, plan_json: str, bad: tuple[int, str, int
     groups = PipelineGroups(PipelineLayout(stages=2, columns=2), timeout=5.0)
     plan = StepPlan.from_json(plan_json)
     tokens = tokens_for(plan.lengths, 0)
-    chunks = tiny_chunks(
-        make_model(), plan.pipeline, groups.stage, lambda c: torch.cat([tokens[i] for i in c.seq_ids])
-    )
+    packed = lambda ctx: torch.cat([tokens[i] for i in ctx.seq_ids])  # noqa: E731
+    chunks = tiny_chunks(make_model(), plan.pipeline, groups.stage, packed)
     bad_rank, kind, bad_slot = bad
     real = chunks[0].forward
 
