@@ -75,6 +75,7 @@ SLOW = frozenset(
         "multirank/test_pipeline_runtime.py::test_a_failing_stage_is_named_by_every_process",
         "multirank/test_pipeline_runtime.py::test_pp2_x_four_columns_1f1b_and_interleaved_equal_one_process",
         "multirank/test_pipeline_runtime.py::test_pp2_x_two_columns_1f1b_and_interleaved_equal_one_process",
+        "multirank/test_pipeline_runtime.py::test_wrong_plans_are_refused_on_every_process_before_any_transfer",
         "multirank/test_runtime.py::test_gradients_equal_single_process",
         "multirank/test_scan.py::test_state_passing_and_channel_parallel_scans_match_one_process",
         "multirank/test_service.py::test_a_late_service_never_makes_readers_diverge",

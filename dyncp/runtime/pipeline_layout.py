@@ -28,7 +28,7 @@ from dyncp.plan.pipeline import BACKWARD, FORWARD, Pipeline, PipelineOp, stage_o
 __all__ = ["DIRECTIONS", "Channel", "Hop", "PipelineLayout", "channel_messages", "route"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineLayout:
     """The process grid of a pipelined job: ``stages`` x ``columns`` processes.
 

@@ -3,15 +3,18 @@
 Hand-written pipelined plans (slots mixing CP 1, 2 and 4, a column idle in some slots) run on
 PP 2 x DP-CP 2 (4 processes) and PP 2 x DP-CP 4 (8 processes), under 1F1B and interleaved 1F1B
 with 2 virtual stages; the loss equals one process on the whole batch within 1e-12 and every
-gradient within 1e-9 of its scale, in fp64. A stage that raises is named on every process.
+gradient within 1e-9 of its scale, in fp64. A stage that raises is named on every process;
+wrong plans are refused on every process before any transfer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from dyncp.plan import Group, MicroBatch, Pipeline, StepPlan, Topology, Wave
+from dyncp.plan import Group, MicroBatch, Pipeline, PlanError, StepPlan, Topology, Wave
 from dyncp.ring_attention import make_ring_layout, zigzag_positions
 from dyncp.runtime import (
     Activation,
@@ -194,3 +197,39 @@ def test_a_failing_stage_is_named_by_every_process() -> None:
     for message, ranks in results:
         assert ranks == [bad_rank], message
         assert "stage 1 column 0, forward of slot 1" in message and "boom" in message, message
+
+
+def _refuse_worker(rank: int, world: int, plans: list[str]) -> list[str]:
+    groups = PipelineGroups(PipelineLayout(stages=2, columns=2), group_sizes=(1,), timeout=10.0)
+    messages = []
+    for i, plan_json in enumerate(plans):
+        plan = StepPlan.from_json(plan_json)
+        pipe = plan.pipeline or Pipeline(2)
+        chunks = [lambda x, ctx: pytest.fail("a refused plan ran a chunk")] * pipe.virtual
+        if i == len(plans) - 1:
+            chunks = chunks * 2  # one chunk too many
+        try:
+            execute_pipeline(plan, groups, chunks, activation=Activation(hidden=CFG.dim))
+        except (ValueError, PlanError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+    torch.distributed.barrier()  # still in step: nobody hung in a collective
+    return messages
+
+
+@pytest.mark.timeout(150)
+def test_wrong_plans_are_refused_on_every_process_before_any_transfer() -> None:
+    good = plan_two_columns(Pipeline(2))
+    unpipelined = dataclasses.replace(good, pipeline=None)
+    four = dataclasses.replace(good, pipeline=Pipeline(4))
+    three_slots = dataclasses.replace(
+        good, lengths=good.lengths[:5], waves=good.waves[:3], pipeline=Pipeline(2, 2)
+    )
+    plans = [unpipelined, four, good, three_slots, good]
+    results = run_gloo(_refuse_worker, world=4, args=([p.to_json() for p in plans],), timeout=120)
+    for messages in results:
+        assert len(messages) == len(plans), messages
+        assert "no pipeline stages: run it with execute()" in messages[0]
+        assert "the plan runs 4 stages x 2 columns; the grid is 2 stages x 2 columns" in messages[1]
+        assert messages[2].startswith("PlanError") and "did not build (sizes [1]" in messages[2]
+        assert "multiple of 2; the plan has 3 slots" in messages[3]
+        assert "1 model chunk(s) (virtual stages); 2 given" in messages[4]
