@@ -2,7 +2,7 @@
 
     groups = PipelineGroups(PipelineLayout(stages=P, columns=W))   # once, on every process
     report = execute_pipeline(plan, groups, chunks, activation=Activation(hidden=H))
-    reduce_stage_gradients(chunks, groups)                          # SUM over the stage's axis
+    reduce_stage_gradients(chunks, groups)      # SUM over the stage's axis (pipeline_reduce)
 
 The process (stage s, column w) runs ``stage_order(plan.pipeline, slots, s)``: for each
 operation ``(kind, slot j, chunk c)`` of virtual stage ``q = c * P + s``, if column w is in a
@@ -48,34 +48,39 @@ are not supported (pytorch issue 126600, closed as "we do not support this"; 159
 while every dyncp micro-batch has its own token count and CP size. So the transfers are built on
 ``torch.distributed.batch_isend_irecv`` with the plan's shapes.
 
-Deadlock freedom, for every valid plan. Processes block only (a) waiting for a received
-message, (b) inside a ring collective of the slot's group, within one operation, and (c) at the
-end, waiting for their sends; a send never blocks (it is posted and waited on only at the end,
-on a channel of its own: see ``dyncp.runtime.pipeline_groups``). Facts:
+Deadlock freedom, for every valid plan. A process blocks only (a) waiting for a message it
+receives, (b) in a ring collective of the slot's group, inside one operation, and (c) at the
+end, waiting for its sends. A send never blocks: it is posted when its operation ends and
+waited on only at (c), on a channel of its own (``dyncp.runtime.pipeline_groups``): on gloo a
+posted send completes whatever its sender does next, on NCCL it sits alone on its channel's
+stream, behind no receive. Facts:
 
-1. Every column of a stage runs the same order ``O_s`` (less its idle slots), and a column idle
-   in slot j is idle there on every stage (the plan's groups describe all stages), so a message
-   is expected exactly where one is sent.
-2. Every channel's messages are received in the order they are sent: on every stage, forwards
-   enumerate (slot, chunk) in one sequence and backwards in another (``stage_order``'s ``op``
-   does not depend on the stage), and a channel carries one direction from one stage, whose
-   receiver consumes them in that same sequence (shifted by one chunk where it wraps around).
-   ``pipeline_layout.channel_messages`` lists both ends; the unit tests check they are equal.
-3. The orders admit a schedule: replaying every stage's order in unit time, an operation
-   running as soon as its input's operation has run, runs every operation
-   (tests/unit/plan/test_pipeline.py, every P x V x slot-count tested). Call an operation's
-   step in that replay t(op); within a stage t increases along O_s, and an operation's input
-   was produced at a smaller t.
+1. Every column of a stage runs the same order ``O_s``, skipping the slots it is idle in, and a
+   column idle in slot j is idle there on every stage (the plan's groups describe all stages):
+   a message is expected exactly where one is sent.
+2. Every channel is received in the order it is sent. Forwards enumerate (slot, chunk) in one
+   sequence on every stage, backwards in another (``stage_order``'s enumeration does not
+   depend on the stage), and a channel carries one direction out of one stage to a receiver
+   that consumes it in the same sequence (the chunk shifted by one where it wraps around);
+   skipping idle slots drops the same messages at both ends.
+3. The orders admit a schedule: replaying all stages in unit time, an operation running one
+   step after its stage's previous operation and its input's operation, runs every operation.
+   Call its step t(op): t increases along ``O_s``, and an input is produced at a smaller t.
 
-By induction on t, every operation completes on every column that runs it: all operations of
-steps < t have. Take one of step t on (s, w). Its process's previous operation has a smaller
-step (3), so the process reaches it; the operation that sends its input has a smaller step, so
-that message and every earlier one on the channel are posted, and by (2) the receive matches it.
-Its ring collectives: every member column of the group runs this operation at the same place of
-``O_s`` (1) and reaches it by the same argument, and a process runs one operation at a time, so
-each group's collectives are issued in one order by all its members. Finally every posted send
-is received, since every operation completes, so (c) returns. Collectives of different groups
-never wait on each other in opposite orders, because every column issues them in ``O_s``.
+Facts 2 and 3 are checked, not assumed: ``pipeline_layout.check_orders`` replays the orders and
+compares both ends of every channel for each (virtual, slots) before the first operation runs
+(once per PipelineGroups; a failing order is a PlanError on every process).
+
+By induction on t, every operation completes on every column that runs it. Assume all
+operations of steps below t have; take one of step t on (s, w). The process's previous
+operation has a smaller step (3), so the process reaches it. The operation that sends its input
+has a smaller step, so that message and every earlier one of its channel have been posted, and
+by (2) the receive is matched by exactly that message. Its ring collectives: every member column
+of the group runs the same operation at the same place of ``O_s`` (1) and reaches it by the
+same argument; a process runs one operation at a time, so all members issue each group's
+collectives in one order, and collectives of different groups never wait on each other in
+opposite orders (every column issues them in ``O_s``). Finally every posted send is received,
+since every operation completes, so (c) returns.
 
 Failures are named as ``execute`` names them, on a failure board spanning the grid
 (``PipelineGroups.board``): an operation that raises writes its report (stage, column, operation
@@ -97,7 +102,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dyncp.control.agreement import PendingAgreement, PlanAgreementError
 from dyncp.control.failures import (
@@ -117,8 +121,7 @@ from dyncp.runtime.executor import (
     microbatch_context,
 )
 from dyncp.runtime.pipeline_groups import PipelineGroups
-from dyncp.runtime.pipeline_layout import Hop, route
-from dyncp.runtime.reduce import reduce_loss
+from dyncp.runtime.pipeline_layout import Hop, check_orders, route
 
 __all__ = [
     "Activation",
@@ -126,8 +129,6 @@ __all__ = [
     "OpTiming",
     "PipelineReport",
     "execute_pipeline",
-    "reduce_pipeline_loss",
-    "reduce_stage_gradients",
 ]
 
 #: One model chunk of this process: ``chunk(x, ctx)`` (see the module docstring).
@@ -257,6 +258,9 @@ def execute_pipeline(
             )
             raise StepFailed(culprit.message, culprit.ranks) from exc
     check_against_pool(plan, pool, validate=validate)
+    if (pipe.virtual, slots) not in groups.orders_checked:  # the proof's facts 2 and 3
+        check_orders(pipe, slots)
+        groups.orders_checked.add((pipe.virtual, slots))
     scale = loss_scale(plan, labels_per_sequence)
     run = _StageRun(plan, groups, chunks, activation, scale, board, label)
     report = PipelineReport(stage, column)
@@ -415,73 +419,3 @@ class _StageRun:
         self.board.report(slot, me, Report("raised", False, now, now, message))
         rank = self.groups.layout.ranks[me]
         raise StepFailed(f"{self.label}: rank {rank} failed in {message}", (rank,)) from exc
-
-
-def reduce_stage_gradients(
-    chunks: Sequence[nn.Module], groups: PipelineGroups
-) -> dict[str, torch.Tensor]:
-    """SUM the gradients of this process's chunks over its stage's DP x CP axis, in place
-    (collective over the stage). Trainable parameters without a gradient get zeros first, frozen
-    ones are skipped, as ``reduce_gradients`` does; a parameter shared by two chunks is reduced
-    once. A reduction that fails because a process failed the last call raises StepFailed
-    naming it (from the grid's board). Returns the reduced gradients by ``"<chunk>.<name>"``.
-    """
-    pool = groups.pool
-    if pool is None:
-        raise ValueError("this process is not on the pipeline grid")
-    axis = pool.axis_group
-    seen: set[int] = set()
-    grads: dict[str, torch.Tensor] = {}
-    with _naming(groups):
-        for c, chunk in enumerate(chunks):
-            for name, param in chunk.named_parameters():
-                if not param.requires_grad or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=axis)
-                grads[f"{c}.{name}"] = param.grad
-    return grads
-
-
-def reduce_pipeline_loss(
-    losses: Sequence[torch.Tensor], groups: PipelineGroups, *, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The step's loss on every process of the grid: ``report.losses`` summed over the grid
-    (only the last stage holds any). Collective over the grid."""
-    with _naming(groups):
-        return reduce_loss(
-            losses, dtype=dtype, device=groups.agreement_device, group=groups.agreement_group
-        )
-
-
-class _naming:
-    """Turn a communication error of a reduction after ``execute_pipeline`` into StepFailed
-    naming the process that failed the last call."""
-
-    def __init__(self, groups: PipelineGroups) -> None:
-        self.groups = groups
-
-    def __enter__(self) -> None:
-        self.entered, self.entered_wall = time.monotonic(), time.time()
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> bool:
-        groups = self.groups
-        call, slots = groups.last_call
-        if exc is None or call < 0 or groups.position is None:
-            return False
-        if not (isinstance(exc, RuntimeError) and is_communication_error(exc)):
-            return False
-        label = f"pipeline call {call} (found at the reduction)"
-        culprit = name_after_failed_wait(
-            groups.board(f"p{call}"),
-            slots,
-            groups.position,
-            exc,
-            entered=self.entered,
-            entered_wall=self.entered_wall,
-            label=label,
-            earlier=range(-1, slots),
-        )
-        raise StepFailed(culprit.message, culprit.ranks) from exc

@@ -69,6 +69,8 @@ class PipelineGroups:
         timeout: the groups' timeout in seconds.
         calls: ``execute_pipeline`` calls so far on this process; ``last_call``: (call,
             slots) of the last one, for naming a failure found at the reduction after it.
+        orders_checked: the (virtual stages, slots) whose operation orders passed
+            ``pipeline_layout.check_orders`` here (each is checked once).
         creation_seconds: wall time of creating everything.
 
     Raises:
@@ -154,6 +156,7 @@ class PipelineGroups:
             self._secret = shared_secret(self.control_group)
         self.calls = 0
         self.last_call = (-1, 0)
+        self.orders_checked: set[tuple[int, int]] = set()
         self.creation_seconds = time.perf_counter() - start
 
     def channel(self, channel: Channel) -> dist.ProcessGroup:

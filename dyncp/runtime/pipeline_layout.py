@@ -23,9 +23,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dyncp.plan.errors import PlanError
 from dyncp.plan.pipeline import BACKWARD, FORWARD, Pipeline, PipelineOp, stage_order
 
-__all__ = ["DIRECTIONS", "Channel", "Hop", "PipelineLayout", "channel_messages", "route"]
+__all__ = [
+    "DIRECTIONS",
+    "Channel",
+    "Hop",
+    "PipelineLayout",
+    "channel_messages",
+    "check_orders",
+    "replay_steps",
+    "route",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,16 +138,23 @@ def route(pipeline: Pipeline, stage: int, column: int, op: PipelineOp) -> tuple[
 
 
 def channel_messages(
-    pipeline: Pipeline, slots: int, *, columns: int = 1, idle: Sequence[frozenset[int]] = ()
+    pipeline: Pipeline,
+    slots: int,
+    *,
+    columns: int = 1,
+    idle: Sequence[frozenset[int]] = (),
+    orders: Sequence[Sequence[PipelineOp]] | None = None,
 ) -> tuple[dict[Channel, list[tuple[int, int]]], dict[Channel, list[tuple[int, int]]]]:
     """Every channel's messages as its sender sends them and as its receiver receives them, in
     each one's operation order: ``(slot, chunk of the receiving operation)``. ``idle[j]``: the
     columns idle in slot j (no operation, no message). The runtime is correct only if the two
-    lists of every channel are equal (received in the order sent); the unit tests check it."""
+    lists of every channel are equal (received in the order sent): :func:`check_orders`.
+    ``orders``: each stage's operations (default: ``stage_order``'s)."""
     sent: dict[Channel, list[tuple[int, int]]] = {}
     received: dict[Channel, list[tuple[int, int]]] = {}
     for stage in range(pipeline.stages):
-        for op in stage_order(pipeline, slots, stage):
+        order = stage_order(pipeline, slots, stage) if orders is None else orders[stage]
+        for op in order:
             for column in range(columns):
                 if idle and column in idle[op.slot]:
                     continue
@@ -147,6 +164,80 @@ def channel_messages(
                 if recv is not None:
                     received.setdefault(recv.channel, []).append((op.slot, op.chunk))
     return sent, received
+
+
+def replay_steps(
+    pipeline: Pipeline, slots: int, orders: Sequence[Sequence[PipelineOp]] | None = None
+) -> list[list[int]] | None:
+    """Replay every stage's order in unit time, an operation running one step after its
+    input's operation and its stage's previous one (the forward of virtual stage q after q - 1's,
+    the backward after q + 1's and after its own forward). Returns each operation's step, per
+    stage in order, or None when the replay stops short: the orders would deadlock."""
+    p, last = pipeline.stages, pipeline.model_stages - 1
+    if orders is None:
+        orders = [stage_order(pipeline, slots, s) for s in range(p)]
+    done: set[tuple[str, int, int]] = set()  # (kind, slot, virtual stage)
+    steps: list[list[int]] = [[] for _ in range(p)]
+    step = 0
+    while any(len(steps[s]) < len(orders[s]) for s in range(p)):
+        ready = []
+        for s in range(p):
+            if len(steps[s]) == len(orders[s]):
+                continue
+            op = orders[s][len(steps[s])]
+            q = op.chunk * p + s
+            if op.kind == FORWARD:
+                ok = q == 0 or (FORWARD, op.slot, q - 1) in done
+            else:
+                ok = (FORWARD, op.slot, q) in done and (
+                    q == last or (BACKWARD, op.slot, q + 1) in done
+                )
+            if ok:
+                ready.append((s, (op.kind, op.slot, q)))
+        if not ready:
+            return None
+        for s, key in ready:
+            done.add(key)
+            steps[s].append(step)
+        step += 1
+    return steps
+
+
+def check_orders(
+    pipeline: Pipeline, slots: int, orders: Sequence[Sequence[PipelineOp]] | None = None
+) -> None:
+    """Raise PlanError (rule ``"pipeline-order"``) unless the stages' orders run every
+    operation once without deadlock (:func:`replay_steps`) and every channel is received in the
+    order it is sent (:func:`channel_messages`): the two facts the pipeline runtime's
+    deadlock-freedom proof rests on (``dyncp.runtime.pipeline``)."""
+    if orders is None:
+        orders = [stage_order(pipeline, slots, s) for s in range(pipeline.stages)]
+    want = sorted((k, j, c) for k in (FORWARD, BACKWARD) for j in range(slots)
+                  for c in range(pipeline.virtual))  # fmt: skip
+    for s, order in enumerate(orders):
+        if sorted((o.kind, o.slot, o.chunk) for o in order) != want:
+            raise PlanError(
+                "pipeline-order",
+                f"stage {s} does not run every forward and backward of {slots} slots x "
+                f"{pipeline.virtual} chunk(s) exactly once",
+            )
+    if replay_steps(pipeline, slots, orders) is None:
+        raise PlanError(
+            "pipeline-order",
+            f"the operation orders of {pipeline.stages} stages x {pipeline.virtual} virtual "
+            f"over {slots} slots deadlock: some stage waits for an operation that waits for it",
+        )
+    sent, received = channel_messages(pipeline, slots, orders=orders)
+    wrong = sorted(
+        (c for c in set(sent) | set(received) if sent.get(c) != received.get(c)),
+        key=lambda c: (c.kind, c.stage, c.column),
+    )
+    if wrong:
+        raise PlanError(
+            "pipeline-order",
+            f"channel {wrong[0]} would deliver its messages out of the order its receiver "
+            f"expects them",
+        )
 
 
 #: The two directions, for readers that iterate over them.

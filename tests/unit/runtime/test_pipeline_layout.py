@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining import schedules
 
-from dyncp.plan import Pipeline, PipelineOp, stage_order
-from dyncp.runtime.pipeline_layout import Channel, PipelineLayout, channel_messages, route
+from dyncp.plan import Pipeline, PipelineOp, PlanError, stage_order
+from dyncp.runtime.pipeline_layout import (
+    Channel,
+    PipelineLayout,
+    channel_messages,
+    check_orders,
+    replay_steps,
+    route,
+)
 
 CONFIGS = [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (2, 3), (3, 2), (4, 2), (4, 3)]
 
@@ -127,3 +134,35 @@ def test_interleaved_is_torchs_interleaved_1f1b(stages: int, virtual: int, multi
             for o in stage_order(Pipeline(stages, virtual), slots, s)
         ]
         assert ours == _torch_interleaved(stages, virtual, slots, s)
+
+
+@pytest.mark.parametrize(("stages", "virtual"), CONFIGS)
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+def test_every_schedule_passes_the_runtime_order_check(
+    stages: int, virtual: int, multiple: int
+) -> None:
+    pipeline, slots = Pipeline(stages, virtual), _slots(stages, virtual, multiple)
+    check_orders(pipeline, slots)
+    steps = replay_steps(pipeline, slots)
+    assert steps is not None and all(a < b for s in steps for a, b in zip(s, s[1:]))
+
+
+def _ops(text: str) -> list[PipelineOp]:
+    return [PipelineOp(t[0], int(t[1:])) for t in text.split()]
+
+
+def test_the_order_check_refuses_a_deadlock_and_a_channel_out_of_order() -> None:
+    pipeline = Pipeline(2)
+    orders = [list(stage_order(pipeline, 3, s)) for s in range(2)]
+    for s in range(2):  # the mutation of the runtime's report: ops 1 and 2 swapped everywhere
+        orders[s][1], orders[s][2] = orders[s][2], orders[s][1]  # stage 1: F0 F1 B0 ...
+    with pytest.raises(PlanError, match="deadlock") as err:
+        check_orders(pipeline, 3, orders)
+    assert err.value.rule == "pipeline-order"
+    # no deadlock, but stage 1 takes slot 1's activations before slot 0's
+    orders = [_ops("F0 F1 F2 B0 B1 B2"), _ops("F1 B1 F0 B0 F2 B2")]
+    assert replay_steps(pipeline, 3, orders) is not None
+    with pytest.raises(PlanError, match=r"channel Channel\(kind='B', stage=1, column=0\)"):
+        check_orders(pipeline, 3, orders)
+    with pytest.raises(PlanError, match="exactly once"):
+        check_orders(pipeline, 3, [_ops("F0 F1 F2 B0 B1 B2"), _ops("F0 B0 F1 B1 F2 B2 B2")])
