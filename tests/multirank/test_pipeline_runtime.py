@@ -188,15 +188,21 @@ def _fail_worker(rank: int, world: int, plan_json: str, bad: tuple[int, str, int
 
 
 @pytest.mark.timeout(200)
-def test_a_failing_stage_is_named_by_every_process() -> None:
+@pytest.mark.parametrize(
+    ("bad_rank", "slot", "where"),
+    [(2, 1, "stage 1 column 0, forward of slot 1"), (1, 3, "stage 0 column 1, forward of slot 3")],
+    ids=["next-stage", "ring-peer"],
+)
+def test_a_failing_stage_is_named_by_every_process(bad_rank: int, slot: int, where: str) -> None:
+    # next-stage: rank 2 (stage 1, column 0) fails at CP 1; stage 0 waits for its gradient.
+    # ring-peer: rank 1 (stage 0, column 1) fails before slot 3's CP-2 ring with rank 0.
     plan = plan_two_columns(Pipeline(2))
-    bad_rank = 2  # stage 1, column 0: its neighbours wait for it on both sides of the pipe
     results = run_gloo(
-        _fail_worker, world=4, args=(plan.to_json(), (bad_rank, "F", 1)), timeout=180
+        _fail_worker, world=4, args=(plan.to_json(), (bad_rank, "F", slot)), timeout=180
     )
     for message, ranks in results:
         assert ranks == [bad_rank], message
-        assert "stage 1 column 0, forward of slot 1" in message and "boom" in message, message
+        assert where in message and "boom" in message, message
 
 
 def _refuse_worker(rank: int, world: int, plans: list[str]) -> list[str]:
