@@ -24,8 +24,9 @@ the global batch's mean token loss on one process.
 Shapes come from the plan, never from a message: a hand-off of slot j on a column of group g
 holds the column's zigzag shard of the micro-batch at CP = g.size, padded as the plan contract
 pads it (``Topology.memory_tokens``: each sequence to a multiple of 2c, divided by c), times
-``activation.hidden``. Megatron-LM exchanges shapes before every transfer
-(``p2p_communication``, for variable sequence lengths); dyncp knows them all from the plan.
+``activation.hidden``. Megatron-LM, when sequence lengths vary between micro-batches
+(``variable_seq_lengths``), exchanges the shapes before every transfer (``_communicate_shapes``
+in ``pipeline_parallel/p2p_communication.py``); dyncp knows them all from the plan.
 
 User models: ``chunks`` is this process's sequence of ``pipeline.virtual`` callables (e.g.
 ``nn.Module``), chunk c holding the layers of virtual stage ``c * P + s``
