@@ -2,9 +2,10 @@
 
 Hand-written pipelined plans (slots mixing CP 1, 2 and 4, a column idle in some slots) run on
 PP 2 x DP-CP 2 (4 processes) and PP 2 x DP-CP 4 (8 processes), under 1F1B and interleaved 1F1B
-with 2 virtual stages; the loss equals one process on the whole batch within 1e-12 and every
-gradient within 1e-9 of its scale, in fp64. A stage that raises is named on every process;
-wrong plans are refused on every process before any transfer.
+with 2 virtual stages (at 8, one slot's CP-4 group split 2 heads x ring 2); the loss equals one
+process on the whole batch within 1e-12 and every gradient within 1e-9 of its scale, in fp64.
+A stage that raises is named on every process; wrong plans are refused on every process before
+any transfer.
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def plan_four_columns(pipeline: Pipeline, slots: int) -> StepPlan:
         Wave((Group(0, 2, _mb(8)), Group(2, 2, _mb(9)))),
         Wave((Group(0, 4, _mb(10)),)),
     ]
-    if slots == 4:  # the last sequence joins slot 0's ring
-        waves[0] = Wave((Group(0, 4, (MicroBatch((0, 10)),)),))
+    if slots == 4:  # the last sequence joins slot 0's group, split 2 heads x ring 2
+        waves[0] = Wave((Group(0, 4, (MicroBatch((0, 10)),), heads=2),))
     plan = StepPlan(
-        Topology(4, 4, 64, (1, 2, 4)),
+        Topology(4, 4, 64, (1, 2, 4), (1, 2), CFG.heads, CFG.kv_heads),
         lengths,
         tuple(waves[:slots]),
         policy="hand",
@@ -97,8 +98,9 @@ def reference(plan: StepPlan, seed: int) -> tuple[float, dict[str, torch.Tensor]
 
 
 def _train_worker(rank: int, world: int, columns: int, cases: list[tuple[str, int]]) -> list:
+    heads = (1, 2) if columns == 4 else (1,)
     groups = PipelineGroups(
-        PipelineLayout(stages=2, columns=columns), group_sizes=None, timeout=TIMEOUT
+        PipelineLayout(stages=2, columns=columns), head_sizes=heads, timeout=TIMEOUT
     )
     out = []
     for plan_json, seed in cases:
@@ -155,8 +157,8 @@ def test_pp2_x_two_columns_1f1b_and_interleaved_equal_one_process() -> None:
 @pytest.mark.timeout(400)
 def test_pp2_x_four_columns_1f1b_and_interleaved_equal_one_process() -> None:
     plans = [(plan_four_columns(Pipeline(2), 5), 3), (plan_four_columns(Pipeline(2, 2), 4), 4)]
-    sizes = {g.size for p, _ in plans for w in p.waves for g in w.groups}
-    assert sizes == {1, 2, 4}
+    sizes = {(g.size, g.heads) for p, _ in plans for w in p.waves for g in w.groups}
+    assert sizes == {(1, 1), (2, 1), (4, 1), (4, 2)}
     cases = [(p.to_json(), seed) for p, seed in plans]
     results = run_gloo(_train_worker, world=8, args=(4, cases), timeout=380)
     _check_exact(results, plans)
