@@ -53,7 +53,7 @@ from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
 from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
-from dyncp.runtime.executor import _check
+from dyncp.runtime.executor import check_against_pool
 from dyncp.testing.distributed import CountingStore
 
 STEP_SECONDS = 5.0  # the step the overhead is compared with
@@ -188,7 +188,7 @@ def _seconds(fn, repeats: int = 3) -> float:
 
 
 class _Position:
-    """What ``_check`` reads of a pool for this rank's own groups."""
+    """What ``check_against_pool`` reads of a pool for this rank's own groups."""
 
     def __init__(self, world: int, position: int) -> None:
         self.world, self.position = world, position
@@ -210,7 +210,7 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
         "decode": _seconds(lambda: StepPlan.from_json(text)),
         "digest": _seconds(lambda: plan_digest(plan)),
         "validate": _seconds(plan.validate),
-        "own_check": _seconds(lambda: _check(plan, own, validate=False)),  # type: ignore[arg-type]
+        "own_check": _seconds(lambda: check_against_pool(plan, own, validate=False)),  # type: ignore[arg-type]
     }
     row["before"] = row["decode"] + 2 * row["validate"] + 2 * row["digest"]
     row["after"] = row["decode"] + row["validate"] + row["digest"] + row["own_check"]

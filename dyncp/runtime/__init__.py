@@ -2,7 +2,9 @@
 
 Modules: ``executor`` (runs a StepPlan's waves), ``group_pool`` (the pre-built communicators),
 ``reduce`` (gradient and loss reduction), ``measure`` (timings for calibration), ``labels``
-(next-token labels of a packed batch).
+(next-token labels of a packed batch), ``pipeline`` (runs a pipelined plan's stages), with
+``pipeline_groups`` (its communicators), ``pipeline_layout`` (its process grid and routing) and
+``pipeline_reduce`` (its gradient and loss reduction).
 """
 
 from dyncp.control.job import job_timeout
@@ -19,16 +21,26 @@ from dyncp.runtime.executor import (
 )
 from dyncp.runtime.group_pool import GroupPool
 from dyncp.runtime.labels import IGNORE, next_token_labels
+from dyncp.runtime.pipeline import Activation, OpTiming, PipelineReport, execute_pipeline
+from dyncp.runtime.pipeline_groups import PipelineGroups
+from dyncp.runtime.pipeline_layout import PipelineLayout
+from dyncp.runtime.pipeline_reduce import reduce_pipeline_loss, reduce_stage_gradients
 from dyncp.runtime.reduce import reduce_gradients, reduce_loss
 
 __all__ = [
     "IGNORE",
+    "Activation",
     "GroupPool",
     "MicroBatchContext",
     "MicroBatchTiming",
+    "OpTiming",
+    "PipelineGroups",
+    "PipelineLayout",
+    "PipelineReport",
     "RankReport",
     "StepFailed",
     "execute",
+    "execute_pipeline",
     "filler_context",
     "job_timeout",
     "label_tokens",
@@ -37,4 +49,6 @@ __all__ = [
     "next_token_labels",
     "reduce_gradients",
     "reduce_loss",
+    "reduce_pipeline_loss",
+    "reduce_stage_gradients",
 ]

@@ -255,7 +255,7 @@ class RankReport:
         return [(t.wave, t.cp, t.seconds) for t in self.timings]
 
 
-def _check(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
+def check_against_pool(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> None:
     if validate:
         plan.validate()
     if plan.topology.world != pool.world:
@@ -280,7 +280,7 @@ def _check(plan: StepPlan | PlanSlice, pool: GroupPool, *, validate: bool) -> No
                 )
 
 
-def _layout_maker(
+def layout_maker(
     group: Group, pool: GroupPool, rank: int
 ) -> Callable[[tuple[int, ...]], RingLayout | HybridLayout]:
     """Builds each micro-batch's layout on the group's pre-built groups (looked up once)."""
@@ -365,7 +365,7 @@ def execute(
     if not sliced and plan.pipeline is not None:
         raise ValueError(
             f"this plan runs over {plan.pipeline.stages} pipeline stages: run it with the "
-            f"pipeline runtime, not execute()"
+            f"pipeline runtime (dyncp.runtime.execute_pipeline), not execute()"
         )
     if agree:
         try:
@@ -381,7 +381,7 @@ def execute(
                 board, -1, me, exc, entered=entry, entered_wall=entry_wall, label=label
             )
             raise StepFailed(culprit.message, culprit.ranks) from exc
-    _check(plan, pool, validate=validate and not sliced)
+    check_against_pool(plan, pool, validate=validate and not sliced)
     if plan_check is not None:
         plan_check(plan)
     if sliced:
@@ -413,7 +413,7 @@ def execute(
         mbs = () if group is None else group.microbatches
         passes = mbs if by_wave is None else by_wave[w]
         if group is not None:
-            layout_for = _layout_maker(group, pool, pool.ranks[me])
+            layout_for = layout_maker(group, pool, pool.ranks[me])
         # whom a failed collective blames: the ring's ranks; in lockstep any rank (FSDP2's)
         if lockstep:
             start, size = 0, pool.world

@@ -1,5 +1,6 @@
 """Helpers for testing dyncp with real models on CPU (used by the tests and the examples)."""
 
+from dyncp.testing.pipeline_model import TinyChunk, tiny_chunks
 from dyncp.testing.tiny_model import (
     LossSum,
     ThroughDDP,
@@ -12,8 +13,10 @@ from dyncp.testing.tiny_model import (
 __all__ = [
     "LossSum",
     "ThroughDDP",
+    "TinyChunk",
     "TinyConfig",
     "TinyDecoder",
     "microbatch_loss",
+    "tiny_chunks",
     "next_token_labels",
 ]
