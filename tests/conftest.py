@@ -114,6 +114,7 @@ SLOW = frozenset(
         "unit/sampler/test_sampler.py::test_resume_at_a_random_point_equals_the_uninterrupted_run",
         "unit/sim/test_plots.py::test_plot_writes_a_gantt_per_policy_and_the_step_time_plot",
         "unit/sim/test_sim.py::test_cli_subprocess_bundled_defaults",
+        "unit/test_readme_figures.py::test_the_record_is_what_the_caption_command_plans_now",
     }
 )
 
