@@ -61,7 +61,7 @@ import numpy as np
 
 from dyncp.cost_model.pipeline_schedule import PipelineCost, StageCosts, schedule
 from dyncp.plan import StepPlan, padded_lengths
-from dyncp.plan.pipeline import stage_layers
+from dyncp.plan.pipeline import Pipeline, stage_layers
 
 __all__ = [
     "LINEAR_FORWARD",
@@ -69,6 +69,8 @@ __all__ = [
     "PipelineCost",
     "StageCosts",
     "cost_split",
+    "hop_same_node",
+    "p2p_links",
     "price_pipeline",
     "stage_costs",
 ]
@@ -164,20 +166,38 @@ def _items(plan: StepPlan, model: object, parts: bool) -> _Items:
     )
 
 
-def _links(model: object, p2p: Sequence[tuple[float, float]] | None) -> tuple:
+def p2p_links(
+    model: object, p2p: Sequence[tuple[float, float]] | None = None
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((latency, bandwidth) intra-node, (latency, bandwidth) inter-node)`` of a stage-to-stage
+    transfer: ``p2p`` when given, else the profile's ``communication.intra_node`` and
+    ``communication.inter_node``."""
     if p2p is not None:
         if len(p2p) != 2:
             raise ValueError("p2p must be ((intra latency, bandwidth), (inter latency, bandwidth))")
-        return tuple(p2p)
+        return (tuple(p2p[0]), tuple(p2p[1]))  # type: ignore[return-value]
     comm = getattr(getattr(model, "profile", None), "communication", None)
     if comm is None:
         raise ValueError(
             "the model has no profile.communication to price activation transfers; pass p2p"
         )
-    return tuple(
-        (x.latency_seconds, x.bandwidth_bytes_per_second)
-        for x in (comm.intra_node, comm.inter_node)
+    intra, inter = comm.intra_node, comm.inter_node
+    return (
+        (intra.latency_seconds, intra.bandwidth_bytes_per_second),
+        (inter.latency_seconds, inter.bandwidth_bytes_per_second),
     )
+
+
+def hop_same_node(world: int, ranks_per_node: int, pipeline: Pipeline) -> np.ndarray:
+    """``same[q, w]``: column ``w``'s processes of virtual stages ``q - 1`` and ``q`` share a
+    node (process of stage s, column w: ``s * world + w``; row 0, no hop: True)."""
+    col = np.arange(world)
+    same = np.ones((pipeline.model_stages, world), dtype=bool)
+    p = pipeline.stages
+    for q in range(1, pipeline.model_stages):
+        a, b = (q - 1) % p, q % p
+        same[q] = (a * world + col) // ranks_per_node == (b * world + col) // ranks_per_node
+    return same
 
 
 def stage_costs(
@@ -205,9 +225,9 @@ def stage_costs(
         if shape is None:
             raise ValueError("the model has no profile.model: pass activation_bytes_per_token")
         activation_bytes_per_token = float(shape.hidden_size * shape.dtype_bytes)
-    links = _links(model, p2p)
+    links = p2p_links(model, p2p)
     topo = plan.topology
-    m, w, nq, p = len(plan.waves), topo.world, pipeline.model_stages, pipeline.stages
+    m, w, nq = len(plan.waves), topo.world, pipeline.model_stages
     pipeline.check_slots(m)
     it = _items(plan, model, split.parts)
     c = float(model.microbatch_overhead)
@@ -251,12 +271,10 @@ def stage_costs(
     busy = owner < len(it.seconds)
     local = np.append(it.padded / it.size, pad)[owner]
     # Links between virtual stage q-1 and q, per column: intra-node when both processes share one.
-    col = np.arange(w)
     transfer = np.zeros((m, w, nq))
-    rpn = topo.ranks_per_node
+    same_node = hop_same_node(w, topo.ranks_per_node, pipeline)
     for q in range(1, nq):
-        a, b = (q - 1) % p, q % p
-        same = (a * w + col) // rpn == (b * w + col) // rpn
+        same = same_node[q]
         lat = np.where(same, links[0][0], links[1][0])
         bw = np.where(same, links[0][1], links[1][1])
         transfer[:, :, q] = np.where(busy, lat + local * activation_bytes_per_token / bw, 0.0)
