@@ -4,7 +4,9 @@ For a batch (lengths), a topology (W columns per stage) and a pipeline (P stages
 whatever the slots, groups, packing and head splits, ``price_pipeline(plan).step_seconds`` is at
 least::
 
-    LB = max( max_s  work_s / W + fill_s + drain_s ,   max_i chain_i )
+    LB = max_i min_(c,u) max( chain_i(c, u),  max_s  work_s(i at c, u) / W + fill_s + drain_s )
+
+(at least ``max(max_s work_s / W + fill_s + drain_s, max_i min chain_i)``, the parts reported).
 
 Notation (``dyncp.cost_model.pipeline_timing``): a micro-batch S at layout (c, u) costs the
 model's ``T``; ``C`` the micro-batch constant; ``L = lin * priced(c, S) / c`` its linear work;
@@ -54,6 +56,11 @@ each operation after its predecessor and each hop in between: at least ``T + (P 
 hops >= alone(c, s_i, u) + (P V - 1) C + 2 x hops(s_i)`` (contracts 1 and 3: a micro-batch costs
 at least any of its sequences alone).
 
+Coupling: a plan runs each sequence s_i at one layout (c, u), so the chain of s_i at that layout
+and every stage's work with s_i's own term (and padded tokens) at that layout hold at once, the
+other sequences at their minima; the plan's choice is one of the layouts, hence the minimum over
+layouts of the maximum, for every sequence (``closed_form``'s argument, here per stage).
+
 Assumes nothing about the plan beyond the contract and nothing about the cost model beyond its
 protocol contract (and, for the linear and head parts, the linear form ``lin x priced tokens /
 c`` that ``stage_costs`` cuts; a plug-in model without those parts has ``L = H = 0``). Not
@@ -78,7 +85,8 @@ __all__ = ["PipelineBound", "pipeline_lower_bound"]
 
 @dataclass(frozen=True, slots=True)
 class PipelineBound:
-    """``seconds`` = max(max over stages of ``work[s] + fill[s] + drain[s]``, ``chain``)."""
+    """``seconds``: the bound (module docstring), at least max(max over stages of ``work[s] +
+    fill[s] + drain[s]``, ``chain``), the parts without the per-sequence coupling."""
 
     seconds: float
     work: tuple[float, ...]  # per stage: its least busy seconds per column (work_s / W)
@@ -152,21 +160,24 @@ def pipeline_lower_bound(
         kinds = sorted({0 if s else 1 for s in same[q].tolist()})
         hop[q] = np.min([links[k, 0] + local / links[k, 1] for k in kinds], axis=0)
 
-    # work_s / W.
+    # work_s / W, and (``coupled``) the same with sequence i at layout k: the per-sequence term
+    # and the padded tokens of i at k instead of their minima.
     n = pipeline.slot_multiple()
     cap = float(topology.capacity)
-    tokens = np.where(ok, pad, inf).min(axis=0).sum() / cap
+    least_pad = np.where(ok, pad, inf).min(axis=0)
+    tokens = least_pad.sum() / cap
+    tokens_at = tokens + (pad - least_pad) / cap  # (K, n): i at k
     fixed_part = n * float((cs[:, 0] * fixed[:, 0]).min())
-    work = []
+    work, coupled = [], []
     for s in range(p):
         last = 1.0 if s == p - 1 else 0.0
-        per_seq = stage_share[s] * br + (last - stage_share[s]) * hf * lin * pr
-        total = (
-            stage_share[s] * fixed_part
-            + (v - stage_share[s]) * c0 * max(n, tokens)
-            + np.where(ok, per_seq, inf).min(axis=0).sum()
-        )
+        per_seq = np.where(ok, stage_share[s] * br + (last - stage_share[s]) * hf * lin * pr, inf)
+        least = per_seq.min(axis=0)
+        constant = (v - stage_share[s]) * c0
+        total = stage_share[s] * fixed_part + constant * max(n, tokens) + least.sum()
         work.append(max(float(total), 0.0) / w)
+        at = total + (per_seq - least) + constant * (np.maximum(n, tokens_at) - max(n, tokens))
+        coupled.append(np.maximum(at, 0.0) / w)
 
     # fill_s, drain_s: the cheapest forward / backward chain through virtual stages 0..s-1.
     g = br - lin * pr
@@ -185,9 +196,13 @@ def pipeline_lower_bound(
         drain.append(float(np.where(ok, bwd, inf).min()))
 
     # chain_i: the sequence's micro-batch through everything and back.
-    through = al + (nq - 1) * c0 + 2.0 * hop[1:].sum(axis=0)
-    chain = float(np.where(ok, through, inf).min(axis=0).max())
+    through = np.where(ok, al + (nq - 1) * c0 + 2.0 * hop[1:].sum(axis=0), inf)
+    chain = float(through.min(axis=0).max())
 
+    # The plan runs sequence i at one layout k: every part holds for that k at once.
+    edges = np.asarray(fill) + np.asarray(drain)
+    at_k = np.max([cw + e for cw, e in zip(coupled, edges.tolist())], axis=0)
+    per_sequence = np.where(ok, np.maximum(through, at_k), inf).min(axis=0)
     stages = [wk + fl + dr for wk, fl, dr in zip(work, fill, drain)]
-    seconds = max(max(stages), chain)
+    seconds = max(float(per_sequence.max()), max(stages), chain)
     return PipelineBound(seconds, tuple(work), tuple(fill), tuple(drain), chain)

@@ -206,7 +206,7 @@ def test_the_parts_of_the_bound() -> None:
     topo = Topology(W, 8, 4096)
     b = pipeline_lower_bound(np.asarray([4000, 200, 100]), topo, Pipeline(2), model)
     assert b.fill[0] == b.drain[0] == 0.0 < b.fill[1] < b.drain[1]  # backward = 2 x forward
-    assert b.seconds == max(max(w + f + d for w, f, d in zip(b.work, b.fill, b.drain)), b.chain)
+    assert b.seconds >= max(max(w + f + d for w, f, d in zip(b.work, b.fill, b.drain)), b.chain)
     empty = pipeline_lower_bound(np.asarray([], dtype=np.int64), topo, Pipeline(2), model)
     assert empty.seconds == 0.0
     with pytest.raises(ValueError, match="exceed the longest sequence"):
