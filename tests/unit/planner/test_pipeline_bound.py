@@ -72,8 +72,11 @@ class _Columns:
     """Each (micro-batch, placement)'s per-column forward, backward and hops, priced once by
     ``stage_costs`` on a plan holding it alone (its slot count repeated as the schedule needs)."""
 
-    def __init__(self, lengths: list[int], topo: Topology, pipeline: Pipeline, model) -> None:
+    def __init__(
+        self, lengths: list[int], topo: Topology, pipeline: Pipeline, model, kw: dict
+    ) -> None:
         self.args = (lengths, topo, pipeline, model)
+        self.kw = kw
         self.cache: dict[tuple, tuple[np.ndarray, ...]] = {}
 
     def get(self, block: tuple[int, ...], start: int, size: int) -> tuple[np.ndarray, ...]:
@@ -82,14 +85,17 @@ class _Columns:
             lengths, topo, pipeline, model = self.args
             slot: Slot = ((block, start, size),)
             plan = to_plan([slot] * pipeline.slot_multiple(), lengths, topo, pipeline)
-            c = stage_costs(plan, model)
+            c = stage_costs(plan, model, **self.kw)
             self.cache[key] = (c.forward[0], c.backward[0], c.transfer[0], c.busy[0])
         return self.cache[key]
 
 
-def optimum(lengths: list[int], topo: Topology, pipeline: Pipeline, model) -> tuple[float, int]:
-    """Least ``price_pipeline`` step of any valid pipelined plan, and how many plans there were."""
-    cols = _Columns(lengths, topo, pipeline, model)
+def optimum(
+    lengths: list[int], topo: Topology, pipeline: Pipeline, model, **kw: object
+) -> tuple[float, int]:
+    """Least ``price_pipeline`` step of any valid pipelined plan, and how many plans there were
+    (``kw``: ``stage_costs``'s keywords, for a plug-in model)."""
+    cols = _Columns(lengths, topo, pipeline, model, kw)
     by_count: dict[int, list[list[Slot]]] = {}
     for slots in plans(lengths, topo, pipeline):
         by_count.setdefault(len(slots), []).append(slots)
@@ -125,7 +131,8 @@ def optimum(lengths: list[int], topo: Topology, pipeline: Pipeline, model) -> tu
         # The side-by-side pricing is price_pipeline's, plan by plan (a sample).
         rng = random.Random(m)
         for x in rng.sample(range(k), min(3, k)):
-            alone = price_pipeline(to_plan(group[x], lengths, topo, pipeline), model)
+            plan = to_plan(group[x], lengths, topo, pipeline)
+            alone = price_pipeline(plan, model, costs=stage_costs(plan, model, **kw))
             assert steps[x] == pytest.approx(alone.step_seconds, rel=1e-12)
     return best, count
 
@@ -211,3 +218,40 @@ def test_the_parts_of_the_bound() -> None:
     assert empty.seconds == 0.0
     with pytest.raises(ValueError, match="exceed the longest sequence"):
         pipeline_lower_bound(np.asarray([10**6]), topo, Pipeline(2), model)
+
+
+class _PlugIn:
+    """The protocol's bound members only: no linear parts, no profile (the uniform cut)."""
+
+    def __init__(self, inner: CostModel) -> None:
+        self._inner = inner
+        self.microbatch_overhead = inner.microbatch_overhead
+
+    def packs_seconds(self, cp: int, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        return self._inner.packs_seconds(cp, lengths, starts)
+
+    def fixed_seconds(self, cp: int) -> float:
+        return self._inner.fixed_seconds(cp)
+
+    def bound_rank_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        return self._inner.bound_rank_seconds(cp, lengths)
+
+    def alone_seconds(self, cp: int, lengths: np.ndarray) -> np.ndarray:
+        return self._inner.alone_seconds(cp, lengths)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+@pytest.mark.parametrize(("lengths", "capacity", "rpn"), CASES[1:4])
+def test_a_plug_in_model_is_bounded_too(
+    virtual: int, lengths: list[int], capacity: int, rpn: int
+) -> None:
+    model = _PlugIn(cost_model("quadratic", rpn))
+    kw = {
+        "num_layers": 8,
+        "activation_bytes_per_token": 8192.0,
+        "p2p": ((2e-6, 4e11), (8e-6, 4e10)),
+    }
+    topo, pipeline = Topology(W, rpn, capacity), Pipeline(2, virtual)
+    best, _ = optimum(lengths, topo, pipeline, model, **kw)
+    bound = pipeline_lower_bound(np.asarray(lengths), topo, pipeline, model, **kw)
+    assert 0.5 * best <= bound.seconds <= best * (1 + REL), (bound, best)
