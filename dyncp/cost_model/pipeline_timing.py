@@ -281,6 +281,11 @@ def price_pipeline(
     cost model's operation seconds (``stage_costs``; then ``model`` is not called)."""
     if costs is None:
         costs = stage_costs(plan, model)
-    elif plan.pipeline is not None and costs.pipeline != plan.pipeline:
+    elif costs.pipeline != plan.pipeline:
         raise ValueError(f"costs are for {costs.pipeline}, the plan runs {plan.pipeline}")
+    elif (costs.slots, costs.columns) != (len(plan.waves), plan.topology.world):
+        raise ValueError(
+            f"costs are for {costs.slots} slots x {costs.columns} columns, the plan has "
+            f"{len(plan.waves)} x {plan.topology.world}"
+        )
     return schedule(costs)
