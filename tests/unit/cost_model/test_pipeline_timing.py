@@ -87,8 +87,8 @@ def test_equal_microbatches_under_1f1b_take_m_plus_p_minus_1_steps(p: int, slots
 @pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_interleaved_shrinks_the_bubble_to_p_minus_1_chunks(p: int, v: int, groups: int) -> None:
-    # Megatron-LM (Narayanan et al. 2021, sec. 2.2): bubble (P - 1) x (f + b) / V for a whole
-    # stage's f and b, i.e. P - 1 chunk forward+backwards; the rest is M x V chunks of work.
+    # Megatron-LM's interleaved schedule (Narayanan et al., SC'21): bubble (P - 1) x (f + b) / V
+    # for a whole stage's f and b, i.e. P - 1 chunk forward+backwards; the rest is M x V chunks.
     m = groups * p
     cost = schedule(_uniform(p, v, m))
     assert cost.step_seconds == pytest.approx((m * v + p - 1) * 3.0)
