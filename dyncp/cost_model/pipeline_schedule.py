@@ -65,6 +65,19 @@ class StageCosts:
                 f"StageCosts.busy must be {(m, w)} and segments {m} long, got "
                 f"{self.busy.shape} and {len(self.segments)}"
             )
+        for j, seg in enumerate(self.segments):
+            seg = np.asarray(seg)
+            if (
+                seg.ndim != 1
+                or not len(seg)
+                or seg[0] != 0
+                or (np.diff(seg) <= 0).any()
+                or (seg[-1] >= w)
+            ):
+                raise ValueError(
+                    f"StageCosts.segments[{j}] must start at column 0 and increase strictly "
+                    f"below {w} (each group's first column and each idle column), got {seg!r}"
+                )
         self.pipeline.check_slots(m)
 
     @property

@@ -131,12 +131,15 @@ class _Items:
 def _items(plan: StepPlan, model: object, parts: bool) -> _Items:
     """One vectorised pricing call per group layout (CP size, head split), as evaluate_plan."""
     lengths = np.asarray(plan.lengths, dtype=np.int64)
-    groups = [(j, g) for j, wave in enumerate(plan.waves) for g in wave.groups]
-    n = len(groups)
-    table = np.asarray([(j, g.start, g.size, g.heads) for j, g in groups], dtype=np.int64)
-    table = table.reshape(n, 4)
-    slot, start, size, heads = table.T
-    packs = [g.microbatches[0].seq_ids for _, g in groups]
+    rows = [
+        (j, g.start, g.size, g.heads, g.microbatches[0].seq_ids)
+        for j, wave in enumerate(plan.waves)
+        for g in wave.groups
+    ]
+    n = len(rows)
+    columns = list(zip(*rows)) if rows else [()] * 5
+    slot, start, size, heads = (np.asarray(c, dtype=np.int64) for c in columns[:4])
+    packs = columns[4]
     counts = np.fromiter(map(len, packs), dtype=np.int64, count=n)
     ids = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=counts.sum())
     firsts = np.cumsum(counts) - counts

@@ -261,6 +261,9 @@ def test_bad_inputs_are_refused_with_what_is_allowed() -> None:
         price_pipeline(_plan(4, Pipeline(4), 2), model, costs=costs)
     with pytest.raises(ValueError, match="costs are for 2 slots x 4 columns, the plan has 3 x 4"):
         price_pipeline(_plan(4, Pipeline(2), 3), model, costs=costs)
+    bad = (np.array([1, 2]),) + costs.segments[1:]
+    with pytest.raises(ValueError, match=r"segments\[0\] must start at column 0"):
+        StageCosts(costs.pipeline, costs.forward, costs.backward, costs.transfer, costs.busy, bad)
     with pytest.raises(ValueError, match="StageCosts.backward has shape"):
         StageCosts(
             costs.pipeline,
