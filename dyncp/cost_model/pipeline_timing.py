@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dyncp.cost_model.pipeline_schedule import PipelineCost, StageCosts, schedule
+from dyncp.cost_model.pipeline_schedule import PipelineCost, ScheduleGraph, StageCosts, schedule
 from dyncp.plan import StepPlan, padded_lengths
 from dyncp.plan.pipeline import Pipeline, stage_layers
 
@@ -281,10 +281,16 @@ def stage_costs(
 
 
 def price_pipeline(
-    plan: StepPlan, model: object, *, costs: StageCosts | None = None
+    plan: StepPlan,
+    model: object,
+    *,
+    costs: StageCosts | None = None,
+    graph: ScheduleGraph | None = None,
 ) -> PipelineCost:
     """The step of pipelined ``plan`` under ``model`` (module docstring); ``costs`` replaces the
-    cost model's operation seconds (``stage_costs``; then ``model`` is not called)."""
+    cost model's operation seconds (``stage_costs``; then ``model`` is not called); ``graph``
+    (``pipeline_schedule.schedule_graph``) saves building the schedule again when many plans of
+    one slot count are priced."""
     if costs is None:
         costs = stage_costs(plan, model)
     elif costs.pipeline != plan.pipeline:
@@ -294,4 +300,4 @@ def price_pipeline(
             f"costs are for {costs.slots} slots x {costs.columns} columns, the plan has "
             f"{len(plan.waves)} x {plan.topology.world}"
         )
-    return schedule(costs)
+    return schedule(costs, graph=graph)

@@ -7,7 +7,7 @@ import pytest
 
 from dyncp.cost_model import CostModel, bundled_profiles, price_pipeline, stage_costs
 from dyncp.cost_model.evaluate import time_waves
-from dyncp.cost_model.pipeline_schedule import StageCosts, schedule
+from dyncp.cost_model.pipeline_schedule import StageCosts, schedule, schedule_graph
 from dyncp.cost_model.pipeline_timing import LINEAR_FORWARD, cost_split
 from dyncp.plan import (
     Group,
@@ -292,3 +292,14 @@ def test_a_large_plan_prices_to_a_consistent_timeline() -> None:
     first = cost.op_start[3, 0]
     chain = costs.forward[0, :, :3].sum(axis=1) + costs.transfer[0, :, 1:4].sum(axis=1)
     assert (first >= chain - 1e-9).all()
+
+
+def test_a_graph_made_once_prices_every_plan_of_its_slot_count_alike() -> None:
+    model = CostModel.load("h100-reference", 8)
+    graph = schedule_graph(Pipeline(2, 2), 4)
+    for seed in range(3):
+        plan = _plan(8, Pipeline(2, 2), 4, seed=seed)
+        fresh, reused = price_pipeline(plan, model), price_pipeline(plan, model, graph=graph)
+        np.testing.assert_array_equal(fresh.op_end, reused.op_end)
+    with pytest.raises(ValueError, match="the graph is of"):
+        price_pipeline(_plan(8, Pipeline(2, 2), 6), model, graph=graph)
