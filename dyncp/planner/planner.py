@@ -50,6 +50,16 @@ few milliseconds) with ``bound="tight"`` (default), the closed-form one
 wall clock of the whole ``plan()`` call, validation included, and the bounds unless they are
 deferred.
 
+Pipelines (``pipeline=Pipeline(stages, virtual)``): the search above runs for ``1 -
+PIPELINE_SHARE`` of the limit, and the pipeline stage (``dyncp.planner.pipeline.stage``) turns its
+plan and the baselines' into pipelined plans, adds constructions at smaller micro-batch token
+budgets and the pipelined baselines, and chooses the count and the order by the pipelined price
+(``dyncp.cost_model.pipeline_timing``); ``predicted_step_seconds`` is that price, ``waves`` the
+slot count, ``stats["pipeline"]`` the rest (``PipelineStats``). A budget then follows the
+closed-form bound over the stages (each stage runs 1/stages of the layers; bubbles only add, so
+the budget errs low, as it already does). The unpipelined bound fields are not written (they
+bound another step).
+
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
 (``dyncp.planner.bounds.deferred``): the plan's bound fields are ``None`` and
@@ -98,6 +108,12 @@ from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
 from dyncp.planner.improvement.pass_align import AlignBudget, align_best
+from dyncp.planner.pipeline.stage import (
+    ORDER_EVALUATIONS_PER_SECOND,
+    PIPELINE_SHARE,
+    PipelineStage,
+    priced_stage,
+)
 from dyncp.planner.stages import PlannerStages, nested_core
 
 __all__ = [
@@ -219,6 +235,7 @@ class Planner(PlannerStages):
         self.min_improve_seconds = config.min_improve_seconds
         self.improver = config.improver
         self.bound = config.bound
+        self.pipeline = config.pipeline
         self.defer_bound = config.defer_bound
         self._deferred = DeferredBounds()
         self.reserve_seconds = min(float(config.reserve_seconds), 0.5 * self.time_limit)
@@ -338,8 +355,13 @@ class Planner(PlannerStages):
         simple: float | None = None  # the closed-form bound, when the budget follows it
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
             simple = lower_bound(batch, self.topology, self.search_model)
+        pipeline = self.pipeline
+        if pipeline is not None and simple is not None:
+            simple /= pipeline.stages  # (module docstring: Pipelines)
         limit = self._budget_seconds(budget, simple, stats)
-        defer = self._defers(len(lengths), limit)
+        pipe_limit = PIPELINE_SHARE * limit if pipeline is not None else 0.0
+        limit -= pipe_limit
+        defer = pipeline is None and self._defers(len(lengths), limit)
         tail = self._tail_seconds
         if tail is None:  # first call: an estimate from the batch's size
             tail = TAIL_SECONDS_PER_SEQUENCE * len(lengths)
@@ -385,6 +407,8 @@ class Planner(PlannerStages):
                 cost = self._price(plan, self.model)
             seconds = report.seconds_after
             stats["alignment"] = report.as_dict()
+        if pipeline is not None:
+            plan, seconds = self._pipelined(batch, plan, baselines, stats, start, limit, pipe_limit)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
@@ -394,7 +418,13 @@ class Planner(PlannerStages):
         st.predicted_step_seconds = seconds
         st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
         st.waves = len(plan.waves)
-        if defer:
+        if pipeline is not None:
+            st.imbalance = st.efficiency = None  # (the unpipelined plan's; the slots differ)
+            bound = plan.stats["pipeline"]["lower_bound_seconds"]
+            if bound is not None:
+                st.lower_bound_seconds = bound
+                st.gap_to_lower_bound = plan.stats["pipeline"]["gap_to_lower_bound"]
+        elif defer:
             search_model = self.search_model
             st.bound = {"kind": "tight"}
             self._deferred.submit(
@@ -428,6 +458,43 @@ class Planner(PlannerStages):
         if not defer:
             plan.stats["timings"]["bound_seconds"] = t2 - t1
         return plan
+
+    def _pipelined(
+        self,
+        batch: Batch,
+        plan: StepPlan,
+        baselines: list[_Baseline],
+        stats: dict,
+        start: float,
+        limit: float,
+        pipe_limit: float,
+    ) -> tuple[StepPlan, float]:
+        """The pipeline stage (``dyncp.planner.pipeline.stage``) on the search's ``plan`` and
+        the baselines' plans, for ``pipe_limit`` seconds after the search's ``limit`` (in
+        deterministic mode ``ORDER_EVALUATIONS_PER_SECOND`` x ``pipe_limit`` prices)."""
+        assert self.pipeline is not None
+        stage: PipelineStage = priced_stage(
+            self.pipeline,
+            self.topology,
+            self.model,
+            timing=self.timing,
+            max_length=self.config.max_length,
+        )
+        search = self.policy in ("dyncp", HYBRID_POLICY)
+        if self.deterministic:
+            deadline, evaluations = None, int(pipe_limit * ORDER_EVALUATIONS_PER_SECOND)
+        else:
+            reserve = min(self.reserve_seconds, 0.5 * pipe_limit)
+            deadline, evaluations = start + limit + pipe_limit - reserve, 1 << 30
+        named = [(self.policy, plan), *((b.name, b.final) for b in baselines)]
+        out, pstats = stage.run(
+            batch, named, search=search, evaluations=evaluations, deadline=deadline
+        )
+        stats["pipeline"] = pstats.as_dict()
+        if pstats.chosen != self.policy:
+            stats["chosen"] = f"pipeline:{pstats.chosen}"
+        out.policy = self.policy
+        return out, pstats.predicted_step_seconds
 
     def _align_budget(self, start: float, limit: float, reserve: float) -> AlignBudget | None:
         """Alignment's budget (``passes="aligned"``, else None): what is left of ``limit``
