@@ -236,6 +236,7 @@ class Planner(PlannerStages):
         self.improver = config.improver
         self.bound = config.bound
         self.pipeline = config.pipeline
+        self._pipeline_stage: PipelineStage | None = None
         self.defer_bound = config.defer_bound
         self._deferred = DeferredBounds()
         self.reserve_seconds = min(float(config.reserve_seconds), 0.5 * self.time_limit)
@@ -473,20 +474,22 @@ class Planner(PlannerStages):
         the baselines' plans, for ``pipe_limit`` seconds after the search's ``limit`` (in
         deterministic mode ``ORDER_EVALUATIONS_PER_SECOND`` x ``pipe_limit`` prices)."""
         assert self.pipeline is not None
-        stage: PipelineStage = priced_stage(
-            self.pipeline,
-            self.topology,
-            self.model,
-            timing=self.timing,
-            max_length=self.config.max_length,
-        )
+        stage = self._pipeline_stage
+        if stage is None or stage.model is not self.model:  # (a new model version: anew)
+            stage = self._pipeline_stage = priced_stage(
+                self.pipeline,
+                self.topology,
+                self.model,
+                timing=self.timing,
+                max_length=self.config.max_length,
+            )
         search = self.policy in ("dyncp", HYBRID_POLICY)
         if self.deterministic:
             deadline, evaluations = None, int(pipe_limit * ORDER_EVALUATIONS_PER_SECOND)
         else:
             reserve = min(self.reserve_seconds, 0.5 * pipe_limit)
             deadline, evaluations = start + limit + pipe_limit - reserve, 1 << 30
-        named = [(self.policy, plan), *((b.name, b.final) for b in baselines)]
+        named = [(self.policy, plan), *((b.name, b.rings) for b in baselines)]
         out, pstats = stage.run(
             batch, named, search=search, evaluations=evaluations, deadline=deadline
         )

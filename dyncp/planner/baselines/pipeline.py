@@ -30,7 +30,14 @@ from dyncp.planner.batch import Batch
 from dyncp.planner.construction.packing import place_waves
 from dyncp.planner.pipeline.slots import split_to, to_slots
 
-__all__ = ["PIPELINE_BASELINES", "align_groups", "megatron_pp_plan", "static_pp_plan"]
+__all__ = [
+    "PIPELINE_BASELINES",
+    "align_groups",
+    "megatron_pp_from",
+    "megatron_pp_plan",
+    "static_pp_from",
+    "static_pp_plan",
+]
 
 #: The pipelined baselines, by name.
 PIPELINE_BASELINES = ("megatron-pp", "static-pp")
@@ -124,15 +131,26 @@ def align_groups(plan: StepPlan, multiple: int) -> StepPlan:
     )
 
 
+def megatron_pp_from(plan: StepPlan, pipeline: Pipeline) -> StepPlan:
+    """Megatron dev's PP plan from ``megatron_plan``'s plan of the batch (module docstring)."""
+    slots = align_groups(to_slots(plan, pipeline), pipeline.slot_multiple())
+    slots.policy = "megatron-pp"
+    return slots
+
+
 def megatron_pp_plan(
     lengths: Batch | np.ndarray, topology: Topology, pipeline: Pipeline
 ) -> StepPlan:
     """Megatron dev's dynamic CP under ``pipeline`` (module docstring)."""
-    plan = megatron_plan(lengths, topology)
+    return megatron_pp_from(megatron_plan(lengths, topology), pipeline)
+
+
+def static_pp_from(plan: StepPlan, pipeline: Pipeline, model: CostModel) -> StepPlan:
+    """Static CP with PP from ``fixed_cp_plan``'s plan of the batch (module docstring)."""
     slots = to_slots(plan, pipeline)
-    slots = align_groups(slots, pipeline.slot_multiple())
-    slots.topology = topology
-    slots.policy = "megatron-pp"
+    k = pipeline.slot_multiple()
+    slots = split_to(slots, -(-len(slots.waves) // k) * k, model)
+    slots.policy = "static-pp"
     return slots
 
 
@@ -140,7 +158,4 @@ def static_pp_plan(
     lengths: Batch | np.ndarray, topology: Topology, model: CostModel, cp: int, pipeline: Pipeline
 ) -> StepPlan:
     """Static CP at size ``cp`` under ``pipeline`` (module docstring)."""
-    plan = fixed_cp_plan(lengths, topology, model, cp, policy="static-pp")
-    slots = to_slots(plan, pipeline)
-    k = pipeline.slot_multiple()
-    return split_to(slots, -(-len(slots.waves) // k) * k, model)
+    return static_pp_from(fixed_cp_plan(lengths, topology, model, cp), pipeline, model)

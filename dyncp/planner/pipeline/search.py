@@ -70,16 +70,17 @@ class PipelineChoice:
 
 
 def slotted(plan: StepPlan, pipeline: Pipeline, model: CostModel, factor: int) -> StepPlan | None:
-    """``plan`` as slots with ``factor`` x the target count (else the least multiple the
-    schedule allows, else None when even that cannot be split out of it)."""
+    """``plan`` as slots with ``factor`` x the target count, or, where it cannot be split that
+    far, the most slots it can be split to that the schedule allows; None when not even the
+    least count the schedule allows can be split out of it."""
     slots = to_slots(plan, pipeline)
     m, k = len(slots.waves), pipeline.slot_multiple()
-    for want in (factor * target_slots(m, pipeline), -(-m // k) * k):
-        try:
-            return split_to(slots, want, model)
-        except ValueError:
-            continue
-    return None
+    least = -(-m // k) * k
+    want = max(factor * target_slots(m, pipeline), least)
+    most = len(split_to(slots, want, model, partial=True).waves)
+    if most < least:
+        return None
+    return split_to(slots, most - most % k, model)
 
 
 class PipelineSearch:
@@ -116,19 +117,22 @@ class PipelineSearch:
         unpipelined: Sequence[tuple[str, StepPlan]],
         pipelined: Sequence[tuple[str, StepPlan]] = (),
         *,
+        factors: Sequence[int] = COUNT_FACTORS,
         deadline: float | None = None,
+        first: bool = True,
     ) -> list[PipelineCandidate]:
-        """Steps 1-3 of the module docstring; with a ``deadline``, the first candidate is
-        always priced and the rest while time is left."""
+        """Steps 1-3 of the module docstring, each unpipelined plan at ``factors`` x the
+        least slot count; with a ``deadline``, the first candidate is priced whatever the
+        time when ``first``, the rest while time is left."""
         out: list[PipelineCandidate] = []
         for name, plan in pipelined:
-            if out and deadline is not None and time.perf_counter() >= deadline:
+            if (out or not first) and deadline is not None and time.perf_counter() >= deadline:
                 return out
             out.append(self.candidate(name, plan))
         for name, plan in unpipelined:
             previous = 0
-            for factor in COUNT_FACTORS:
-                if out and deadline is not None and time.perf_counter() >= deadline:
+            for factor in factors:
+                if (out or not first) and deadline is not None and time.perf_counter() >= deadline:
                     return out
                 slots = slotted(plan, self.pipeline, self.model, factor)
                 if slots is None:

@@ -18,13 +18,16 @@ micro-batches are all single sequences cannot be split.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from dyncp.cost_model.model import CostModel
-from dyncp.plan import Group, MicroBatch, Pipeline, StepPlan, Wave
+from dyncp.plan import Group, MicroBatch, Pipeline, StepPlan, Wave, padded_length
 from dyncp.plan.passes import pass_schedule
+from dyncp.planner.construction.packing import pack_ffd
 
-__all__ = ["to_slots", "slot_seconds", "split_to", "target_slots", "with_order"]
+__all__ = ["repack", "to_slots", "slot_seconds", "split_to", "target_slots", "with_order"]
 
 
 def to_slots(plan: StepPlan, pipeline: Pipeline) -> StepPlan:
@@ -50,6 +53,31 @@ def to_slots(plan: StepPlan, pipeline: Pipeline) -> StepPlan:
     )
 
 
+def repack(plan: StepPlan, capacity: int) -> StepPlan:
+    """``plan`` (unpipelined) with every group's sequences packed again, first-fit decreasing,
+    into micro-batches of at most ``capacity`` tokens a rank (a sequence too long for that
+    stays alone): the same groups on the same columns, more and smaller packs, so more slots.
+    The cheap form of a smaller micro-batch token budget (the groups' CP sizes are kept)."""
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
+    small = replace(plan.topology, capacity=capacity)
+    waves = []
+    for wave in plan.waves:
+        groups = []
+        for g in wave.groups:
+            ids = [i for mb in g.microbatches for i in mb.seq_ids]
+            fits = [i for i in ids if padded_length(int(lengths[i]), g.size) <= g.size * capacity]
+            kept = set(fits)
+            alone = [[i] for i in ids if i not in kept]
+            packs = alone + pack_ffd(fits, lengths, g.size, small)
+            groups.append(
+                Group(g.start, g.size, tuple(MicroBatch(tuple(sorted(p))) for p in packs), g.heads)
+            )
+        waves.append(Wave(tuple(groups)))
+    return StepPlan(
+        plan.topology, plan.lengths, tuple(waves), policy=plan.policy, sample_ids=plan.sample_ids
+    )
+
+
 def with_order(plan: StepPlan, order: list[int] | tuple[int, ...]) -> StepPlan:
     """``plan`` (pipelined) with its slots in ``order`` (a permutation of the slot indices)."""
     if sorted(order) != list(range(len(plan.waves))):
@@ -68,18 +96,28 @@ def with_order(plan: StepPlan, order: list[int] | tuple[int, ...]) -> StepPlan:
 
 def slot_seconds(plan: StepPlan, model: CostModel) -> np.ndarray:
     """Each slot's longest group: the predicted forward+backward seconds (whole model) of its
-    slowest micro-batch, what a column of the slot's slowest group spends on it."""
+    slowest micro-batch, what a column of the slot's slowest group spends on it. Priced with
+    one ``packs_seconds`` call per (CP size, head split), not one call per micro-batch."""
     lengths = np.asarray(plan.lengths, dtype=np.int64)
     out = np.zeros(len(plan.waves))
+    by_layout: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for w, wave in enumerate(plan.waves):
-        out[w] = max(
-            (
-                model.microbatch_seconds(g.size, lengths[list(mb.seq_ids)], heads=g.heads)
-                for g in wave.groups
-                for mb in g.microbatches
-            ),
-            default=0.0,
-        )
+        for g in wave.groups:
+            for mb in g.microbatches:
+                slots, ids = by_layout.setdefault((g.size, g.heads), ([], []))
+                slots.append(w)
+                ids.append(len(mb.seq_ids))
+                ids.extend(mb.seq_ids)
+    for (size, heads), (slots, flat) in by_layout.items():
+        counts, seqs, k = [], [], 0
+        while k < len(flat):
+            n = flat[k]
+            counts.append(n)
+            seqs.extend(flat[k + 1 : k + 1 + n])
+            k += 1 + n
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        seconds = model.packs_seconds(size, lengths[seqs], starts, heads=heads)
+        np.maximum.at(out, np.asarray(slots, dtype=np.int64), seconds)
     return out
 
 
@@ -125,13 +163,14 @@ def _split_slot(wave: Wave, lengths: np.ndarray, model: CostModel) -> tuple[Wave
     return Wave(tuple(first)), Wave(tuple(second))
 
 
-def split_to(plan: StepPlan, slots: int, model: CostModel) -> StepPlan:
+def split_to(plan: StepPlan, slots: int, model: CostModel, *, partial: bool = False) -> StepPlan:
     """``plan`` (pipelined) with at least ``slots`` slots, added by halving the most expensive
     splittable slot (module docstring); the halves sit next to each other in the order.
+    ``partial``: stop where no slot can be split any more instead of raising.
 
     Raises:
         ValueError: no slot can be split any more (every micro-batch one sequence) before
-            ``slots`` is reached.
+            ``slots`` is reached (unless ``partial``).
     """
     if plan.pipeline is None:
         raise ValueError("split_to needs a pipelined plan (to_slots first)")
@@ -153,6 +192,8 @@ def split_to(plan: StepPlan, slots: int, model: CostModel) -> StepPlan:
             done = True
             break
         if not done:
+            if partial:
+                break
             raise ValueError(
                 f"cannot reach {slots} slots: {len(waves)} slots whose micro-batches are all "
                 "single sequences (the batch has too few sequences to split)"

@@ -2,18 +2,27 @@
 
 ``Planner(pipeline=Pipeline(P, V))`` runs its usual search (construction, improvements,
 baselines) for ``1 - PIPELINE_SHARE`` of the step's limit, then hands this stage the plans it
-found; the stage gets the rest of the limit (in deterministic mode ``ORDER_EVALUATIONS_PER_SECOND``
-x its share prices, never a clock). For the dyncp policies it adds:
+found; the stage gets the rest (in deterministic mode ``ORDER_EVALUATIONS_PER_SECOND`` x its
+share of prices, never a clock, and every construction below). For the dyncp policies it
+prices, most valuable first, while its time lasts (``PipelineSearch.candidates``):
 
-- constructions at smaller micro-batch token budgets (``TOKEN_BUDGETS`` x capacity, while the
-  batch's longest sequence still fits the world): smaller packs are more slots, the bubble's
-  share falls and the balance may worsen -- the pipelined price decides;
-- the pipelined baselines (``dyncp.planner.baselines.pipeline``: Megatron dev's dynamic CP with
-  PP, static CP with PP) as candidates, so the plan handed out is never slower than theirs;
+1. whatever the time: the pipelined baselines (``dyncp.planner.baselines.pipeline``: Megatron
+   dev's dynamic CP with PP, static CP with PP, from the search's own baseline plans), so that
+   the plan handed out is never slower than theirs, and the search's plan (at one and two times
+   the least slot count);
+2. new constructions at smaller micro-batch token budgets (``TOKEN_BUDGETS`` x capacity:
+   smaller packs *and* the CP sizes that suit them), each only when its build time (the last
+   one's, per sequence; ``CONSTRUCT_SECONDS_PER_SEQUENCE`` before the first) fits before the
+   deadline less the order search's ``ORDER_SHARE``: on ``bench/pipeline_bench.py``'s batches
+   they are the largest gain;
+3. the search's plan repacked at those budgets (``slots.repack``: the same groups, more and
+   smaller packs), then the other baselines' plans as slots;
 
-and chooses with ``PipelineSearch`` (``dyncp.planner.pipeline.search``). The other policies
-are pipelined as their baseline would be (``megatron`` as ``megatron-pp``, ``static`` as
-``static-pp``; the rest read as slots, count aligned, in their own order).
+then searches the order of the fastest (``PipelineSearch.choose``). Smaller packs are more
+slots: the bubbles' share falls, the balance across columns may worsen; the pipelined price
+decides. The other policies are pipelined as their baseline would be (``megatron`` as
+``megatron-pp``, ``static`` as ``static-pp``; the rest read as slots, count aligned, in their own
+order).
 """
 
 from __future__ import annotations
@@ -27,15 +36,19 @@ import numpy as np
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.pipeline_timing import StageCosts, price_pipeline, stage_costs
 from dyncp.plan import Pipeline, StepPlan, Topology
-from dyncp.planner.baselines.pipeline import megatron_pp_plan, static_pp_plan
-from dyncp.planner.baselines.static import static_cp_size
+from dyncp.planner.baselines.megatron import megatron_plan
+from dyncp.planner.baselines.pipeline import megatron_pp_from, static_pp_from
+from dyncp.planner.baselines.static import fixed_cp_plan, static_cp_size
 from dyncp.planner.batch import Batch
 from dyncp.planner.construction.greedy import GreedyConstructor
 from dyncp.planner.pipeline.order import OrderPrice, OrderPricer
 from dyncp.planner.pipeline.search import PipelineSearch, slotted
+from dyncp.planner.pipeline.slots import repack
 
 __all__ = [
+    "CONSTRUCT_SECONDS_PER_SEQUENCE",
     "ORDER_EVALUATIONS_PER_SECOND",
+    "ORDER_SHARE",
     "PIPELINE_SHARE",
     "TOKEN_BUDGETS",
     "PipelineStage",
@@ -45,16 +58,24 @@ __all__ = [
 ]
 
 #: Share of the step's planning limit the pipeline stage keeps (the unpipelined search gets the
-#: rest). Half, as pass alignment does (``dyncp.planner.planner.ALIGN_SHARE``): the stage's
-#: extra constructions cost about what the first one did, and the order search takes what is
-#: left.
-PIPELINE_SHARE = 0.5
+#: rest): the stage makes up to two constructions (at smaller token budgets, each about what
+#: the search's first construction costs) and prices every candidate, the search one
+#: construction and its improvements.
+PIPELINE_SHARE = 0.6
 #: Micro-batch token budgets tried beside the planner's capacity, as shares of it: each
-#: halving about doubles the slots (module docstring).
+#: halving about doubles the slots.
 TOKEN_BUDGETS = (0.5, 0.25)
+#: Share of the stage's time kept for the order search when deciding whether a construction
+#: fits (the constructions change the step by more than reordering does: ``pipeline_bench``).
+ORDER_SHARE = 0.25
+#: Build seconds per sequence of a construction before one has been measured: 0.29 s for
+#: 2,560 sequences on 512 ranks at half the capacity with a 0.1 s deadline, this project's
+#: 2-core machine (shared).
+CONSTRUCT_SECONDS_PER_SEQUENCE = 110e-6
 #: Prices the order search makes per second of its share in deterministic mode (where a clock
-#: would make plans differ between ranks); measured with ``bench/pipeline_bench.py --latency``.
-ORDER_EVALUATIONS_PER_SECOND = 200
+#: would make plans differ between ranks): 6.5 ms a price at 512 columns, 2.2 ms at 64
+#: (``PipelineSearch.choose`` over 100 prices, this project's 2-core machine), the slower.
+ORDER_EVALUATIONS_PER_SECOND = 150
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,32 +133,41 @@ class PipelineStage:
         self.pricer, self.bubble, self.bound = pricer, bubble, bound
         self.timing, self.max_length = timing, max_length
         self.search = PipelineSearch(pipeline, model, pricer, seed=seed)
+        #: Build seconds per sequence of the last construction (module docstring, step 3).
+        self.construct_per_sequence = CONSTRUCT_SECONDS_PER_SEQUENCE
 
-    def baselines(self, batch: Batch) -> list[tuple[str, StepPlan]]:
-        """The PP baselines' plans of ``batch`` that can be built (too few sequences to align:
-        none)."""
+    def baselines(self, batch: Batch, plans: dict[str, StepPlan]) -> list[tuple[str, StepPlan]]:
+        """The PP baselines' plans of ``batch``, from the search's ``megatron`` and ``static``
+        plans where given (the same plans: built once), else built; a baseline that cannot align
+        the batch (too few sequences) is no candidate."""
         out = []
         longest = int(batch.lengths.max())
         cp = static_cp_size(max(longest, self.max_length or 0), self.topology)
-        for name, build in (
-            ("megatron-pp", lambda: megatron_pp_plan(batch, self.topology, self.pipeline)),
-            (
-                "static-pp",
-                lambda: static_pp_plan(batch, self.topology, self.model, cp, self.pipeline),
+        builders: dict[str, Callable[[], StepPlan]] = {
+            "megatron-pp": lambda: megatron_pp_from(
+                plans.get("megatron") or megatron_plan(batch, self.topology), self.pipeline
             ),
-        ):
+            "static-pp": lambda: static_pp_from(
+                plans.get("static") or fixed_cp_plan(batch, self.topology, self.model, cp),
+                self.pipeline,
+                self.model,
+            ),
+        }
+        for name, build in builders.items():
             try:
                 out.append((name, build()))
             except ValueError:
                 continue
         return out
 
-    def constructions(self, batch: Batch, deadline: float | None) -> list[tuple[str, StepPlan]]:
-        """The dyncp construction at each of ``TOKEN_BUDGETS`` x capacity, each with an equal
-        share of the time to ``deadline``; as plans of the planner's topology."""
+    def constructions(
+        self, batch: Batch, deadline: float | None, reserve: float
+    ) -> list[tuple[str, StepPlan]]:
+        """The dyncp construction at each of ``TOKEN_BUDGETS`` x capacity (module docstring,
+        step 3), as plans of the planner's topology."""
         out = []
         longest = int(batch.lengths.max())
-        for k, share in enumerate(TOKEN_BUDGETS):
+        for share in TOKEN_BUDGETS:
             capacity = int(share * self.topology.capacity)
             topo = replace(self.topology, capacity=capacity)
             if capacity < 1 or topo.min_cp(longest) is None:
@@ -145,10 +175,15 @@ class PipelineStage:
             until = None
             if deadline is not None:
                 now = time.perf_counter()
-                until = now + max(deadline - now, 0.0) / (len(TOKEN_BUDGETS) - k + 1)
+                expected = self.construct_per_sequence * len(batch)
+                if now + expected > deadline - reserve:
+                    break
+                until = now + expected
+            t0 = time.perf_counter()
             plan = GreedyConstructor(
                 Batch(batch.lengths, topo), topo, self.model, timing=self.timing
             ).best(deadline=until)
+            self.construct_per_sequence = (time.perf_counter() - t0) / len(batch)
             plan.topology = self.topology
             out.append((f"tokens-{share:g}", plan))
         return out
@@ -163,14 +198,26 @@ class PipelineStage:
         deadline: float | None = None,
     ) -> tuple[StepPlan, PipelineStats]:
         """The pipelined plan of ``batch`` from the unpipelined ``plans`` (the policy's own
-        first); ``search``: the dyncp policies' search (module docstring), else the policy's
-        plan pipelined as its baseline would be."""
+        first, then the baselines' by name); ``search``: the dyncp policies' search (module
+        docstring), else the policy's plan pipelined as its baseline would be."""
         if not search:
             return self._policy(batch, plans[0])
-        baselines = self.baselines(batch)
-        extra = self.constructions(batch, deadline)
-        priced = self.search.candidates([*plans, *extra], baselines, deadline=deadline)
-        own = {c.name: c.own_seconds for c in priced if c.name in dict(baselines)}
+        reserve = 0.0
+        if deadline is not None:
+            reserve = ORDER_SHARE * max(deadline - time.perf_counter(), 0.0)
+        own_name, own = plans[0]
+        baselines = self.baselines(batch, dict(plans[1:]))
+        find = self.search.candidates
+        priced = find([(own_name, own)], baselines)  # always: the never-slower guarantee
+        priced += find(self.constructions(batch, deadline, reserve), deadline=deadline, first=False)
+        smaller = []
+        for share in TOKEN_BUDGETS:
+            capacity = int(share * self.topology.capacity)
+            if capacity >= 1:
+                smaller.append((f"{own_name}-repacked-{share:g}", repack(own, capacity)))
+        priced += find(smaller, factors=(1,), deadline=deadline, first=False)
+        priced += find(plans[1:], factors=(1,), deadline=deadline, first=False)
+        own_seconds = {c.name: c.own_seconds for c in priced if c.name in dict(baselines)}
         choice = self.search.choose(priced, evaluations=evaluations, deadline=deadline)
         order = choice.order
         stats = self._stats(
@@ -181,27 +228,25 @@ class PipelineStage:
             evaluations=order.evaluations if order is not None else 0,
             accepted=order.accepted if order is not None else 0,
             candidates=choice.candidates,
-            baselines=own,
+            baselines=own_seconds,
         )
         return choice.plan, stats
 
     def _policy(self, batch: Batch, named: tuple[str, StepPlan]) -> tuple[StepPlan, PipelineStats]:
         """A baseline policy's plan pipelined (module docstring), in its own order."""
         name, plan = named
-        if plan.policy == "megatron":
-            slots = megatron_pp_plan(batch, self.topology, self.pipeline)
-        elif plan.policy == "static":
-            cp = max(g.size for w in plan.waves for g in w.groups)
-            slots = static_pp_plan(batch, self.topology, self.model, cp, self.pipeline)
+        if name == "megatron":
+            slots = megatron_pp_from(plan, self.pipeline)
+        elif name == "static":
+            slots = static_pp_from(plan, self.pipeline, self.model)
         else:
             found = slotted(plan, self.pipeline, self.model, 1)
             if found is None:
                 raise ValueError(
-                    f"policy {plan.policy!r}: the batch has too few sequences for a slot count "
-                    f"that is a multiple of {self.pipeline.slot_multiple()}"
+                    f"policy {name!r}: the batch has too few sequences for a slot count that is a "
+                    f"multiple of {self.pipeline.slot_multiple()}"
                 )
             slots = found
-        slots.policy = plan.policy
         seconds = self.pricer(slots)(range(len(slots.waves)))
         stats = self._stats(
             slots, seconds, chosen=name, rule=seconds, evaluations=0, accepted=0,
