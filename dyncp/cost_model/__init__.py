@@ -12,6 +12,8 @@ Modules, one line each:
 - ``evaluate``: a plan's predicted time (PlanCost, evaluate_plan);
 - ``sharding``: ShardingCost, what FSDP2 full sharding's collectives add to a pass;
 - ``pass_timing``: a plan priced as lockstep passes (PassCost, price_passes);
+- ``pipeline_timing``: a pipelined plan's operations priced (StageCosts, stage_costs), and
+  ``pipeline_schedule`` its timeline along the schedule (PipelineCost, price_pipeline);
 - ``fitting``: the non-negative least-squares fit on relative error every builder uses;
 - ``shapes``, ``mix_shapes``: decoder shapes and layer mixes of named models;
 - ``reference``, ``mix_reference``, ``published``: the builders of the bundled H100 profiles;
@@ -22,6 +24,12 @@ from dyncp.cost_model.evaluate import TIMINGS, PlanCost, evaluate_plan
 from dyncp.cost_model.layer_mix import LayerMixCostModel
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.pass_timing import PassCost, price_passes
+from dyncp.cost_model.pipeline_timing import (
+    PipelineCost,
+    StageCosts,
+    price_pipeline,
+    stage_costs,
+)
 from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
 from dyncp.cost_model.sharding import (
     Collective,
@@ -36,14 +44,18 @@ __all__ = [
     "CostModel",
     "LayerMixCostModel",
     "PassCost",
+    "PipelineCost",
     "PlanCost",
     "Profile",
     "ProfileError",
     "ShardingCost",
+    "StageCosts",
     "bundled_profiles",
     "collective_from_profile",
     "dtype_bytes",
     "evaluate_plan",
     "load_profile",
     "price_passes",
+    "price_pipeline",
+    "stage_costs",
 ]
