@@ -50,15 +50,8 @@ few milliseconds) with ``bound="tight"`` (default), the closed-form one
 wall clock of the whole ``plan()`` call, validation included, and the bounds unless they are
 deferred.
 
-Pipelines (``pipeline=Pipeline(stages, virtual)``): the search above runs for ``1 -
-PIPELINE_SHARE`` of the limit, and the pipeline stage (``dyncp.planner.pipeline.stage``) turns its
-plan and the baselines' into pipelined plans, adds constructions at smaller micro-batch token
-budgets and the pipelined baselines, and chooses the count and the order by the pipelined price
-(``dyncp.cost_model.pipeline_timing``); ``predicted_step_seconds`` is that price, ``waves`` the
-slot count, ``stats["pipeline"]`` the rest (``PipelineStats``). A budget then follows the
-closed-form bound over the stages (each stage runs 1/stages of the layers; bubbles only add, so
-the budget errs low, as it already does). The unpipelined bound fields are not written (they
-bound another step).
+Pipelines (``pipeline=Pipeline(P, V)``): the search runs for ``1 - PIPELINE_SHARE`` of the limit,
+then the pipeline stage (``dyncp.planner.pipeline.stage``: count, order, budget, stats) pipelines.
 
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
@@ -76,11 +69,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.candidates import BaselineCandidates
@@ -108,13 +100,8 @@ from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
 from dyncp.planner.improvement.pass_align import AlignBudget, align_best
-from dyncp.planner.pipeline.stage import (
-    ORDER_EVALUATIONS_PER_SECOND,
-    PIPELINE_SHARE,
-    PipelineStage,
-    priced_stage,
-)
-from dyncp.planner.stages import PlannerStages, nested_core
+from dyncp.planner.pipeline.stage import PIPELINE_SHARE, PipelineStage
+from dyncp.planner.stages import BaselinePlan, PlannerStages, nested_core
 
 __all__ = [
     "Planner",
@@ -150,15 +137,6 @@ ALIGN_SHARE = 0.5
 #: measured by ``bench/fsdp_predict.py --latency`` (medians of 43,283 to 50,122 a second over 5
 #: batches at 512 ranks in three runs, on a 2-core machine shared with other jobs), rounded down.
 ALIGN_WORK_PER_SECOND = 40_000
-
-
-class _Baseline(NamedTuple):
-    """A baseline's plan as rings, as handed out, and its seconds (``Planner.timing``)."""
-
-    name: str
-    rings: StepPlan
-    final: StepPlan
-    seconds: float
 
 
 def _topology(config: PlannerConfig, model: CostModel) -> Topology:
@@ -281,7 +259,7 @@ class Planner(PlannerStages):
             return None
         return start + BASELINE_SHARE * max(deadline - start, 0.0)
 
-    def _build_baselines(self, batch: Batch, deadline: float | None) -> list[_Baseline]:
+    def _build_baselines(self, batch: Batch, deadline: float | None) -> list[BaselinePlan]:
         """The baseline plans built by ``deadline`` (all in deterministic mode): each as rings
         (what the search continues from) and as handed out (a hybrid policy's with its splits
         chosen), with its seconds under the model and the planner's timing."""
@@ -295,44 +273,8 @@ class Planner(PlannerStages):
                 final = choose_splits(rings, self.model)
                 final.policy = self.policy
             seconds = self._seconds(final, self.model)
-            out.append(_Baseline(name, rings, final, seconds))
+            out.append(BaselinePlan(name, rings, final, seconds))
         return out
-
-    def _take_baseline(
-        self,
-        plan: StepPlan,
-        cost: PlanCost,
-        baselines: list[_Baseline],
-        stats: dict,
-    ) -> tuple[StepPlan, PlanCost]:
-        """The constructed plan, or the fastest baseline where it is faster (under the
-        planner's timing, as the search prices it): the improvement then starts from the
-        better of them."""
-        if not baselines:
-            return plan, cost
-        stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
-        # ``cost`` is ``plan``'s under the search's pricing; so is each baseline's below.
-        priced = [self._price(b.rings, self._pricing) for b in baselines]
-        n = min(range(len(baselines)), key=lambda i: (priced[i].step_seconds, i))
-        if priced[n].step_seconds >= cost.step_seconds:
-            return plan, cost
-        stats["chosen"] = f"baseline:{baselines[n].name}"
-        return baselines[n].rings, priced[n]
-
-    def _never_worse(
-        self,
-        plan: StepPlan,
-        cost: PlanCost,
-        baselines: list[_Baseline],
-        stats: dict,
-    ) -> tuple[StepPlan, PlanCost]:
-        """The final plan, or the fastest baseline where the final plan is slower under the
-        planner's timing (an improvement accepted under another objective can be)."""
-        best = min(baselines, key=lambda b: b.seconds)
-        if best.seconds >= cost.step_seconds:  # ``cost``: ``plan``'s under the model
-            return plan, cost
-        stats["chosen"] = f"baseline:{best.name}"
-        return best.final, self._price(best.final, self.model)
 
     # ------------------------------------------------------------------------------ API
     def plan(
@@ -357,9 +299,8 @@ class Planner(PlannerStages):
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
             simple = lower_bound(batch, self.topology, self.search_model)
         pipeline = self.pipeline
-        if pipeline is not None and simple is not None:
-            simple /= pipeline.stages  # (module docstring: Pipelines)
-        limit = self._budget_seconds(budget, simple, stats)
+        stages = pipeline.stages if pipeline is not None and simple is not None else 1
+        limit = self._budget_seconds(budget, None if simple is None else simple / stages, stats)
         pipe_limit = PIPELINE_SHARE * limit if pipeline is not None else 0.0
         limit -= pipe_limit
         defer = pipeline is None and self._defers(len(lengths), limit)
@@ -409,7 +350,8 @@ class Planner(PlannerStages):
             seconds = report.seconds_after
             stats["alignment"] = report.as_dict()
         if pipeline is not None:
-            plan, seconds = self._pipelined(batch, plan, baselines, stats, start, limit, pipe_limit)
+            named = [(self.policy, plan), *((b.name, b.rings) for b in baselines)]
+            plan, seconds = self._pipelined(batch, named, stats, start, limit, pipe_limit)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
@@ -421,10 +363,6 @@ class Planner(PlannerStages):
         st.waves = len(plan.waves)
         if pipeline is not None:
             st.imbalance = st.efficiency = None  # (the unpipelined plan's; the slots differ)
-            bound = plan.stats["pipeline"]["lower_bound_seconds"]
-            if bound is not None:
-                st.lower_bound_seconds = bound
-                st.gap_to_lower_bound = plan.stats["pipeline"]["gap_to_lower_bound"]
         elif defer:
             search_model = self.search_model
             st.bound = {"kind": "tight"}
@@ -459,45 +397,6 @@ class Planner(PlannerStages):
         if not defer:
             plan.stats["timings"]["bound_seconds"] = t2 - t1
         return plan
-
-    def _pipelined(
-        self,
-        batch: Batch,
-        plan: StepPlan,
-        baselines: list[_Baseline],
-        stats: dict,
-        start: float,
-        limit: float,
-        pipe_limit: float,
-    ) -> tuple[StepPlan, float]:
-        """The pipeline stage (``dyncp.planner.pipeline.stage``) on the search's ``plan`` and
-        the baselines' plans, for ``pipe_limit`` seconds after the search's ``limit`` (in
-        deterministic mode ``ORDER_EVALUATIONS_PER_SECOND`` x ``pipe_limit`` prices)."""
-        assert self.pipeline is not None
-        stage = self._pipeline_stage
-        if stage is None or stage.model is not self.model:  # (a new model version: anew)
-            stage = self._pipeline_stage = priced_stage(
-                self.pipeline,
-                self.topology,
-                self.model,
-                timing=self.timing,
-                max_length=self.config.max_length,
-            )
-        search = self.policy in ("dyncp", HYBRID_POLICY)
-        if self.deterministic:
-            deadline, evaluations = None, int(pipe_limit * ORDER_EVALUATIONS_PER_SECOND)
-        else:
-            reserve = min(self.reserve_seconds, 0.5 * pipe_limit)
-            deadline, evaluations = start + limit + pipe_limit - reserve, 1 << 30
-        named = [(self.policy, plan), *((b.name, b.rings) for b in baselines)]
-        out, pstats = stage.run(
-            batch, named, search=search, evaluations=evaluations, deadline=deadline
-        )
-        stats["pipeline"] = pstats.as_dict()
-        if pstats.chosen != self.policy:
-            stats["chosen"] = f"pipeline:{pstats.chosen}"
-        out.policy = self.policy
-        return out, pstats.predicted_step_seconds
 
     def _align_budget(self, start: float, limit: float, reserve: float) -> AlignBudget | None:
         """Alignment's budget (``passes="aligned"``, else None): what is left of ``limit``
