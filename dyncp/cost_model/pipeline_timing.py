@@ -54,6 +54,7 @@ built once).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,21 +128,18 @@ class _Items:
 def _items(plan: StepPlan, model: object, parts: bool) -> _Items:
     """One vectorised pricing call per group layout (CP size, head split), as evaluate_plan."""
     lengths = np.asarray(plan.lengths, dtype=np.int64)
-    slot, start, size, heads, ids, first = [], [], [], [], [], []
-    for j, wave in enumerate(plan.waves):
-        for g in wave.groups:
-            slot.append(j)
-            start.append(g.start)
-            size.append(g.size)
-            heads.append(g.heads)
-            first.append(len(ids))
-            ids.extend(g.microbatches[0].seq_ids)
-    n = len(slot)
-    firsts = np.asarray(first, dtype=np.int64)
-    counts = np.diff(np.append(firsts, len(ids)))
-    flat = lengths[np.asarray(ids, dtype=np.int64)]
+    groups = [(j, g) for j, wave in enumerate(plan.waves) for g in wave.groups]
+    n = len(groups)
+    table = np.asarray([(j, g.start, g.size, g.heads) for j, g in groups], dtype=np.int64)
+    table = table.reshape(n, 4)
+    slot, start, size, heads = table.T
+    packs = [g.microbatches[0].seq_ids for _, g in groups]
+    counts = np.fromiter(map(len, packs), dtype=np.int64, count=n)
+    ids = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=counts.sum())
+    firsts = np.cumsum(counts) - counts
+    flat = lengths[ids]
     seconds, priced, padded = np.zeros(n), np.zeros(n), np.zeros(n)
-    layout = np.asarray(size, dtype=np.int64) * (1 << 20) + np.asarray(heads, dtype=np.int64)
+    layout = size * (1 << 20) + heads
     for key in np.unique(layout).tolist():
         cp, u = divmod(key, 1 << 20)
         sel = np.flatnonzero(layout == key)
@@ -155,15 +153,7 @@ def _items(plan: StepPlan, model: object, parts: bool) -> _Items:
         padded[sel] = np.add.reduceat(padded_lengths(sub, cp).astype(np.float64), starts)
         if parts:
             priced[sel] = np.add.reduceat(model.priced(cp, sub).astype(np.float64), starts)
-    as_int = {"dtype": np.int64}
-    return _Items(
-        np.asarray(slot, **as_int),
-        np.asarray(start, **as_int),
-        np.asarray(size, **as_int),
-        seconds,
-        priced,
-        padded,
-    )
+    return _Items(slot, start, size, seconds, priced, padded)
 
 
 def p2p_links(
@@ -291,6 +281,11 @@ def price_pipeline(
     cost model's operation seconds (``stage_costs``; then ``model`` is not called)."""
     if costs is None:
         costs = stage_costs(plan, model)
-    elif plan.pipeline is not None and costs.pipeline != plan.pipeline:
+    elif costs.pipeline != plan.pipeline:
         raise ValueError(f"costs are for {costs.pipeline}, the plan runs {plan.pipeline}")
+    elif (costs.slots, costs.columns) != (len(plan.waves), plan.topology.world):
+        raise ValueError(
+            f"costs are for {costs.slots} slots x {costs.columns} columns, the plan has "
+            f"{len(plan.waves)} x {plan.topology.world}"
+        )
     return schedule(costs)

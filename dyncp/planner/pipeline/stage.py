@@ -13,8 +13,8 @@ prices, most valuable first, while its time lasts (``PipelineSearch.candidates``
 2. new constructions at smaller micro-batch token budgets (``TOKEN_BUDGETS`` x capacity:
    smaller packs *and* the CP sizes that suit them), each only when its build time (the last
    one's, per sequence; ``CONSTRUCT_SECONDS_PER_SEQUENCE`` before the first) fits before the
-   deadline less the order search's ``ORDER_SHARE``: on ``bench/pipeline_bench.py``'s batches
-   they are the largest gain;
+   deadline less the order search's ``ORDER_SHARE``: on the batches of
+   ``bench/pipeline_planner_bench.py`` they are the largest gain;
 3. the search's plan repacked at those budgets (``slots.repack``: the same groups, more and
    smaller packs), then the other baselines' plans as slots;
 
@@ -66,7 +66,8 @@ PIPELINE_SHARE = 0.6
 #: halving about doubles the slots.
 TOKEN_BUDGETS = (0.5, 0.25)
 #: Share of the stage's time kept for the order search when deciding whether a construction
-#: fits (the constructions change the step by more than reordering does: ``pipeline_bench``).
+#: fits (the constructions change the step by more than reordering does, on the batches of
+#: ``bench/pipeline_planner_bench.py``).
 ORDER_SHARE = 0.25
 #: Build seconds per sequence of a construction before one has been measured: 0.29 s for
 #: 2,560 sequences on 512 ranks at half the capacity with a 0.1 s deadline, this project's

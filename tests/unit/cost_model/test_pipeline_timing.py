@@ -259,6 +259,8 @@ def test_bad_inputs_are_refused_with_what_is_allowed() -> None:
     costs = stage_costs(plan, model)
     with pytest.raises(ValueError, match="costs are for"):
         price_pipeline(_plan(4, Pipeline(4), 2), model, costs=costs)
+    with pytest.raises(ValueError, match="costs are for 2 slots x 4 columns, the plan has 3 x 4"):
+        price_pipeline(_plan(4, Pipeline(2), 3), model, costs=costs)
     with pytest.raises(ValueError, match="StageCosts.backward has shape"):
         StageCosts(
             costs.pipeline,
