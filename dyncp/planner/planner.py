@@ -51,7 +51,8 @@ wall clock of the whole ``plan()`` call, validation included, and the bounds unl
 deferred.
 
 Pipelines (``pipeline=Pipeline(P, V)``): the search runs for ``1 - PIPELINE_SHARE`` of the limit,
-then the pipeline stage (``dyncp.planner.pipeline.stage``: count, order, budget, stats) pipelines.
+then the pipeline stage (``dyncp.planner.pipeline.stage``: count, order, stats) pipelines; the
+bound and a budget's prediction are the pipelined bound (``dyncp.planner.bounds.pipeline``).
 
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
@@ -80,6 +81,7 @@ from dyncp.planner.baselines.static import static_cp_size
 from dyncp.planner.batch import Batch
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.deferred import DeferredBounds
+from dyncp.planner.bounds.pipeline import pipeline_lower_bound
 from dyncp.planner.bounds.report import (
     BOUND_SECONDS_PER_SEQUENCE,
     bound_fields,
@@ -299,8 +301,11 @@ class Planner(PlannerStages):
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
             simple = lower_bound(batch, self.topology, self.search_model)
         pipeline = self.pipeline
-        stages = pipeline.stages if pipeline is not None and simple is not None else 1
-        limit = self._budget_seconds(budget, None if simple is None else simple / stages, stats)
+        if pipeline is not None:  # the pipelined bound: reported, and what the budget follows
+            pbound = pipeline_lower_bound(batch, self.topology, pipeline, self.model).seconds
+            stats["pipeline_bound"] = pbound
+        predicted = simple if pipeline is None or simple is None else pbound
+        limit = self._budget_seconds(budget, predicted, stats)
         pipe_limit = PIPELINE_SHARE * limit if pipeline is not None else 0.0
         limit -= pipe_limit
         defer = pipeline is None and self._defers(len(lengths), limit)

@@ -326,7 +326,12 @@ class PlannerStages:
             reserve = min(self.reserve_seconds, 0.5 * pipe_limit)
             deadline, evaluations = start + limit + pipe_limit - reserve, 1 << 30
         out, pstats = stage.run(
-            batch, named, search=search, evaluations=evaluations, deadline=deadline
+            batch,
+            named,
+            search=search,
+            evaluations=evaluations,
+            deadline=deadline,
+            bound=stats.pop("pipeline_bound", None),
         )
         stats["pipeline"] = pstats.as_dict()
         if pstats.lower_bound_seconds is not None:

@@ -111,7 +111,6 @@ class PipelineStage:
         model: its cost model.
         pricer: each plan's pipelined step seconds by slot order (``order.OrderPricer``).
         bubble: the bubble fraction of a plan (reported only), or None.
-        bound: the pipelined lower bound of a batch (reported only), or None.
         timing: the unpipelined objective of the extra constructions.
         max_length: the longest admitted document (static CP's size), or None.
         seed: the order search's seed.
@@ -125,13 +124,12 @@ class PipelineStage:
         pricer: OrderPricer,
         *,
         bubble: Callable[[StepPlan], float] | None = None,
-        bound: Callable[[StepPlan], float] | None = None,
         timing: str = "dataflow",
         max_length: int | None = None,
         seed: int = 0,
     ) -> None:
         self.pipeline, self.topology, self.model = pipeline, topology, model
-        self.pricer, self.bubble, self.bound = pricer, bubble, bound
+        self.pricer, self.bubble = pricer, bubble
         self.timing, self.max_length = timing, max_length
         self.search = PipelineSearch(pipeline, model, pricer, seed=seed)
         #: Build seconds per sequence of the last construction (module docstring, step 3).
@@ -197,12 +195,14 @@ class PipelineStage:
         search: bool,
         evaluations: int,
         deadline: float | None = None,
+        bound: float | None = None,
     ) -> tuple[StepPlan, PipelineStats]:
         """The pipelined plan of ``batch`` from the unpipelined ``plans`` (the policy's own
         first, then the baselines' by name); ``search``: the dyncp policies' search (module
-        docstring), else the policy's plan pipelined as its baseline would be."""
+        docstring), else the policy's plan pipelined as its baseline would be. ``bound``: the
+        batch's pipelined lower bound (reported with the gap to it)."""
         if not search:
-            return self._policy(batch, plans[0])
+            return self._policy(batch, plans[0], bound)
         reserve = 0.0
         if deadline is not None:
             reserve = ORDER_SHARE * max(deadline - time.perf_counter(), 0.0)
@@ -230,10 +230,13 @@ class PipelineStage:
             accepted=order.accepted if order is not None else 0,
             candidates=choice.candidates,
             baselines=own_seconds,
+            bound=bound,
         )
         return choice.plan, stats
 
-    def _policy(self, batch: Batch, named: tuple[str, StepPlan]) -> tuple[StepPlan, PipelineStats]:
+    def _policy(
+        self, batch: Batch, named: tuple[str, StepPlan], bound: float | None
+    ) -> tuple[StepPlan, PipelineStats]:
         """A baseline policy's plan pipelined (module docstring), in its own order."""
         name, plan = named
         if name == "megatron":
@@ -251,7 +254,7 @@ class PipelineStage:
         seconds = self.pricer(slots)(range(len(slots.waves)))
         stats = self._stats(
             slots, seconds, chosen=name, rule=seconds, evaluations=0, accepted=0,
-            candidates={name: seconds}, baselines={},
+            candidates={name: seconds}, baselines={}, bound=bound,
         )  # fmt: skip
         return slots, stats
 
@@ -266,8 +269,8 @@ class PipelineStage:
         accepted: int,
         candidates: dict[str, float],
         baselines: dict[str, float],
+        bound: float | None,
     ) -> PipelineStats:
-        bound = self.bound(plan) if self.bound is not None else None
         return PipelineStats(
             stages=self.pipeline.stages,
             virtual=self.pipeline.virtual,

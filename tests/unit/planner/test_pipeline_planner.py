@@ -194,6 +194,10 @@ def test_planner_plans_are_valid_and_never_slower_than_the_baselines_or_verls_or
     seconds = plan.stats.predicted_step_seconds
     assert seconds == pytest.approx(price(plan), rel=REL)
     assert plan.stats.waves == len(plan.waves) == plan.stats["pipeline"]["slots"]
+    bound = plan.stats.lower_bound_seconds
+    assert 0 < bound <= seconds * (1 + REL)
+    assert plan.stats.gap_to_lower_bound == pytest.approx(seconds / bound - 1, rel=1e-6)
+    assert 0 <= plan.stats["pipeline"]["bubble_fraction"] < 1
     for base in (
         megatron_pp_plan(lengths, TOPO, pipeline),
         static_pp_plan(lengths, TOPO, model(), cp_of(lengths), pipeline),
