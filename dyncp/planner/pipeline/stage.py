@@ -13,8 +13,9 @@ prices, most valuable first, while its time lasts (``PipelineSearch.candidates``
 2. new constructions at smaller micro-batch token budgets (``TOKEN_BUDGETS`` x capacity:
    smaller packs *and* the CP sizes that suit them), each only when its build time (the last
    one's, per sequence; ``CONSTRUCT_SECONDS_PER_SEQUENCE`` before the first) fits before the
-   deadline less the order search's ``ORDER_SHARE``: on the batches of
-   ``bench/pipeline_planner_bench.py`` they are the largest gain;
+   deadline less the order search's ``ORDER_SHARE`` (in deterministic mode always, as the
+   stretch rule's and the early levels' candidates only: ``PipelineStage._quick``): on the
+   batches of ``bench/pipeline_planner_bench.py`` they are the largest gain;
 3. the search's plan repacked at those budgets (``slots.repack``: the same groups, more and
    smaller packs), then the other baselines' plans as slots;
 
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.pipeline_timing import StageCosts, price_pipeline, stage_costs
 from dyncp.plan import Pipeline, StepPlan, Topology
@@ -40,7 +42,9 @@ from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.pipeline import megatron_pp_from, static_pp_from
 from dyncp.planner.baselines.static import fixed_cp_plan, static_cp_size
 from dyncp.planner.batch import Batch
-from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.construction.greedy import EARLY_LEVELS, GreedyConstructor
+from dyncp.planner.construction.level import LEVEL_FACTORS
+from dyncp.planner.construction.stretch import STRUCTURES
 from dyncp.planner.pipeline.order import OrderPrice, OrderPricer
 from dyncp.planner.pipeline.search import PipelineSearch, slotted
 from dyncp.planner.pipeline.slots import repack
@@ -179,13 +183,26 @@ class PipelineStage:
                     break
                 until = now + expected
             t0 = time.perf_counter()
-            plan = GreedyConstructor(
+            greedy = GreedyConstructor(
                 Batch(batch.lengths, topo), topo, self.model, timing=self.timing
-            ).best(deadline=until)
+            )
+            plan = greedy.best(deadline=until) if deadline is not None else self._quick(greedy)
             self.construct_per_sequence = (time.perf_counter() - t0) / len(batch)
             plan.topology = self.topology
             out.append((f"tokens-{share:g}", plan))
         return out
+
+    def _quick(self, greedy: GreedyConstructor) -> StepPlan:
+        """Deterministic mode's construction (no clock): the stretch rule's and the early
+        levels' candidates of ``greedy`` (``GreedyConstructor.candidates`` without the
+        structure search, whose unbounded run takes minutes at 512 ranks and smaller token
+        budgets), the fastest under the planner's timing."""
+        k = greedy.choose_sizes(*STRUCTURES[0])
+        ideal = greedy.ideal_seconds()
+        plans = [greedy.build(k, level) for level in greedy.levels(k)]
+        plans += [greedy.build_level(ideal * f) for f in LEVEL_FACTORS[:EARLY_LEVELS]]
+        seconds = [evaluate_plan(p, self.model, timing=self.timing).step_seconds for p in plans]
+        return plans[min(range(len(plans)), key=lambda i: (seconds[i], i))]
 
     def run(
         self,
