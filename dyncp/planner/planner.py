@@ -101,7 +101,7 @@ from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
-from dyncp.planner.improvement.pass_align import AlignBudget, align_best
+from dyncp.planner.improvement.pass_align import ALIGN_WORK_PER_SECOND, AlignBudget, align_best
 from dyncp.planner.pipeline.stage import PIPELINE_SHARE, PipelineStage
 from dyncp.planner.stages import BaselinePlan, PlannerStages, nested_core
 
@@ -134,11 +134,6 @@ BASELINE_SHARE = 0.75
 #: p50), so an even split lets a limit of about a second do both; a baseline's plan, aligned
 #: while time is left, can be the faster in lockstep.
 ALIGN_SHARE = 0.5
-#: Work units (``AlignBudget``: one group of one drafted wave) alignment does per second of
-#: its share in deterministic mode, where a clock would make plans differ between ranks:
-#: measured by ``bench/fsdp_predict.py --latency`` (medians of 43,283 to 50,122 a second over 5
-#: batches at 512 ranks in three runs, on a 2-core machine shared with other jobs), rounded down.
-ALIGN_WORK_PER_SECOND = 40_000
 
 
 def _topology(config: PlannerConfig, model: CostModel) -> Topology:

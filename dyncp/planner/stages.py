@@ -29,6 +29,7 @@ from dyncp.planner.construction.greedy import GreedyConstructor
 from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import LaminarImprover
+from dyncp.planner.improvement.pass_align import ALIGN_WORK_PER_SECOND
 from dyncp.planner.pipeline.stage import ORDER_EVALUATIONS_PER_SECOND, PipelineStage, priced_stage
 
 __all__ = ["BaselinePlan", "LAYOUT_SHARE", "PlannerStages", "nested_core"]
@@ -332,6 +333,7 @@ class PlannerStages:
             evaluations=evaluations,
             deadline=deadline,
             bound=stats.pop("pipeline_bound", None),
+            align_work=int(pipe_limit * ALIGN_WORK_PER_SECOND) if self.deterministic else None,
         )
         stats["pipeline"] = pstats.as_dict()
         if pstats.lower_bound_seconds is not None:

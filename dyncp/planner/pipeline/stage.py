@@ -16,7 +16,12 @@ prices, most valuable first, while its time lasts (``PipelineSearch.candidates``
    deadline less the order search's ``ORDER_SHARE`` (in deterministic mode always, as the
    stretch rule's and the early levels' candidates only: ``PipelineStage._quick``): on the
    batches of ``bench/pipeline_planner_bench.py`` they are the largest gain;
-3. the search's plan repacked at those budgets (``slots.repack``: the same groups, more and
+3. the search's plan and those constructions pass-aligned (``dyncp.planner.improvement.
+   pass_align``: groups grown into idle ranks and counts rebalanced so that every column runs a
+   micro-batch in every pass; read as slots, an aligned plan has no idle column in any slot),
+   while the deadline less ``ORDER_SHARE`` allows (deterministic mode: ``ALIGN_WORK_PER_SECOND``
+   x the stage's share of work units over them);
+4. the search's plan repacked at those budgets (``slots.repack``: the same groups, more and
    smaller packs), then the other baselines' plans as slots;
 
 then searches the order of the fastest (``PipelineSearch.choose``). Smaller packs are more
@@ -45,6 +50,7 @@ from dyncp.planner.batch import Batch
 from dyncp.planner.construction.greedy import EARLY_LEVELS, GreedyConstructor
 from dyncp.planner.construction.level import LEVEL_FACTORS
 from dyncp.planner.construction.stretch import STRUCTURES
+from dyncp.planner.improvement.pass_align import AlignBudget, align_best
 from dyncp.planner.pipeline.order import OrderPrice, OrderPricer
 from dyncp.planner.pipeline.search import PipelineSearch, slotted
 from dyncp.planner.pipeline.slots import repack
@@ -213,11 +219,13 @@ class PipelineStage:
         evaluations: int,
         deadline: float | None = None,
         bound: float | None = None,
+        align_work: int | None = None,
     ) -> tuple[StepPlan, PipelineStats]:
         """The pipelined plan of ``batch`` from the unpipelined ``plans`` (the policy's own
         first, then the baselines' by name); ``search``: the dyncp policies' search (module
         docstring), else the policy's plan pipelined as its baseline would be. ``bound``: the
-        batch's pipelined lower bound (reported with the gap to it)."""
+        batch's pipelined lower bound (reported with the gap to it); ``align_work``: the pass
+        alignments' work units (deterministic mode)."""
         if not search:
             return self._policy(batch, plans[0], bound)
         reserve = 0.0
@@ -227,7 +235,18 @@ class PipelineStage:
         baselines = self.baselines(batch, dict(plans[1:]))
         find = self.search.candidates
         priced = find([(own_name, own)], baselines)  # always: the never-slower guarantee
-        priced += find(self.constructions(batch, deadline, reserve), deadline=deadline, first=False)
+        extra = self.constructions(batch, deadline, reserve)
+        priced += find(extra, deadline=deadline, first=False)
+        aligned = []
+        for name, plan in [(own_name, own), *extra]:
+            if deadline is not None and time.perf_counter() >= deadline - reserve:
+                break
+            budget = AlignBudget(
+                deadline=None if deadline is None else deadline - reserve,
+                work=None if align_work is None else align_work // (1 + len(extra)),
+            )
+            aligned.append((f"{name}-aligned", align_best([plan], self.model, None, budget)[1]))
+        priced += find(aligned, factors=(1,), deadline=deadline, first=False)
         smaller = []
         for share in TOKEN_BUDGETS:
             capacity = int(share * self.topology.capacity)
