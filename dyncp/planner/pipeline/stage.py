@@ -111,6 +111,21 @@ class PipelineStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, plan: StepPlan) -> PipelineStats:
+        """The typed record of a pipelined plan's ``stats["pipeline"]`` (``PlanStats`` lives in
+        ``dyncp.plan``, which keeps no planner field of its own for it yet).
+
+        Raises:
+            ValueError: the plan was not made by a pipelined planner.
+        """
+        found = plan.stats.get("pipeline")
+        if not isinstance(found, dict):
+            raise ValueError(
+                "the plan has no stats['pipeline']: plan it with Planner(pipeline=...)"
+            )
+        return cls(**found)
+
 
 class PipelineStage:
     """The pipeline stage of one planner (module docstring).

@@ -30,7 +30,7 @@ from dyncp.planner.pipeline import (
     to_slots,
     with_order,
 )
-from dyncp.planner.pipeline.stage import reordering_pricer
+from dyncp.planner.pipeline.stage import PipelineStats, reordering_pricer
 from dyncp.planner.planner import Planner
 
 REL = 1e-9
@@ -197,7 +197,9 @@ def test_planner_plans_are_valid_and_never_slower_than_the_baselines_or_verls_or
     bound = plan.stats.lower_bound_seconds
     assert 0 < bound <= seconds * (1 + REL)
     assert plan.stats.gap_to_lower_bound == pytest.approx(seconds / bound - 1, rel=1e-6)
-    assert 0 <= plan.stats["pipeline"]["bubble_fraction"] < 1
+    typed = PipelineStats.of(plan)
+    assert typed.slots == len(plan.waves) and typed.predicted_step_seconds == seconds
+    assert 0 <= typed.bubble_fraction < 1
     for base in (
         megatron_pp_plan(lengths, TOPO, pipeline),
         static_pp_plan(lengths, TOPO, model(), cp_of(lengths), pipeline),
