@@ -25,6 +25,7 @@ from dyncp.planner.pipeline import (
     OrderSearch,
     by_plan,
     ends_small_order,
+    repack,
     slot_seconds,
     split_to,
     to_slots,
@@ -110,6 +111,24 @@ def test_split_to_names_a_batch_too_small_to_split():
     slots = to_slots(fixed_cp_plan(lengths, TOPO, model(), 8), Pipeline(4, 2))
     with pytest.raises(ValueError, match="cannot reach 4 slots"):
         split_to(slots, 4, model())
+
+
+def test_repack_keeps_the_groups_and_packs_within_the_smaller_budget():
+    lengths = batch(4)
+    plan = fixed_cp_plan(lengths, TOPO, model(), cp_of(lengths))
+    small = repack(plan, TOPO.capacity // 4)
+    small.validate()
+    assert_exactly_once(small, len(lengths))
+    before = [(g.start, g.size) for w in plan.waves for g in w.groups]
+    assert [(g.start, g.size) for w in small.waves for g in w.groups] == before
+    assert sum(len(g.microbatches) for w in small.waves for g in w.groups) > sum(
+        len(g.microbatches) for w in plan.waves for g in w.groups
+    )
+    for w in small.waves:
+        for g in w.groups:
+            for mb in g.microbatches:
+                tokens = model().memory_tokens(g.size, lengths[list(mb.seq_ids)])
+                assert len(mb.seq_ids) == 1 or tokens <= TOPO.capacity // 4
 
 
 def test_ends_small_order_puts_the_smallest_at_both_ends():
