@@ -31,7 +31,8 @@ gap to the pipelined lower bound when ``dyncp.planner.bounds.pipeline`` exists.
 
 ``--latency`` (wall clock of this machine): ``plan()`` of the default planner (wall-clock
 budget, ``StepBudget()``) at PP 4 and ``--latency-world`` columns on ``--batches`` batches of each
-dataset: p50 of ``plan_seconds`` against the p50 of the budget the step was given.
+dataset: p50 of ``plan()``'s wall clock against the p50 of the budget the step was given, and
+the mean megatron-pp / dyncp step ratio of these (wall-clock budgeted) plans.
 """
 
 from __future__ import annotations
@@ -140,16 +141,21 @@ def latency(args: argparse.Namespace) -> None:
     for dataset in DATASETS:
         for virtual in args.virtual:
             plans = planner(model, args.latency_world, args, virtual)
-            spent, given = [], []
+            spent, given, ratio = [], [], []
             for lengths in steps(args, dataset, args.latency_world):
                 t0 = time.perf_counter()
                 plan = plans.plan(lengths)
                 spent.append(time.perf_counter() - t0)
                 given.append(plan.stats["budget"]["seconds"])
+                mega = megatron_pp_plan(lengths, plans.topology, Pipeline(STAGES, virtual))
+                ratio.append(
+                    price_pipeline(mega, model).step_seconds / plan.stats.predicted_step_seconds
+                )
             print(
                 f"{dataset:17} 8B {args.latency_world} columns V={virtual}: plan() p50 "
                 f"{np.median(spent):.3f} s, budget p50 {np.median(given):.3f} s, "
-                f"ratio {np.median(spent) / np.median(given):.2f} ({len(spent)} batches)",
+                f"ratio {np.median(spent) / np.median(given):.2f}; these plans: megatron-pp / "
+                f"dyncp {np.mean(ratio):.3f} ({len(spent)} batches)",
                 flush=True,
             )
 

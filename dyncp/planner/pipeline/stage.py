@@ -6,10 +6,11 @@ found; the stage gets the rest (in deterministic mode ``ORDER_EVALUATIONS_PER_SE
 share of prices, never a clock, and every construction below). For the dyncp policies it
 prices, most valuable first, while its time lasts (``PipelineSearch.candidates``):
 
-1. whatever the time: the pipelined baselines (``dyncp.planner.baselines.pipeline``: Megatron
-   dev's dynamic CP with PP, static CP with PP, from the search's own baseline plans), so that
-   the plan handed out is never slower than theirs, and the search's plan (at one and two times
-   the least slot count);
+1. whatever the time: the search's plan and the pipelined baselines
+   (``dyncp.planner.baselines.pipeline``: Megatron dev's dynamic CP with PP, static CP with PP,
+   from the search's own baseline plans; those the search skipped for time are built only when
+   they fit, as the search's are), so that the plan handed out is never slower than theirs;
+   then while time is left the search's plan at twice the least slot count;
 2. new constructions at smaller micro-batch token budgets (``TOKEN_BUDGETS`` x capacity:
    smaller packs *and* the CP sizes that suit them), each only when its build time (the last
    one's, per sequence; ``CONSTRUCT_SECONDS_PER_SEQUENCE`` before the first) fits before the
@@ -43,6 +44,7 @@ from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.pipeline_timing import StageCosts, price_pipeline, stage_costs
 from dyncp.plan import Pipeline, StepPlan, Topology
+from dyncp.planner.baselines.candidates import SECONDS_PER_SEQUENCE
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.pipeline import megatron_pp_from, static_pp_from
 from dyncp.planner.baselines.static import fixed_cp_plan, static_cp_size
@@ -52,7 +54,7 @@ from dyncp.planner.construction.level import LEVEL_FACTORS
 from dyncp.planner.construction.stretch import STRUCTURES
 from dyncp.planner.improvement.pass_align import AlignBudget, align_best
 from dyncp.planner.pipeline.order import OrderPrice, OrderPricer
-from dyncp.planner.pipeline.search import PipelineSearch, slotted
+from dyncp.planner.pipeline.search import COUNT_FACTORS, PipelineSearch, slotted
 from dyncp.planner.pipeline.slots import repack
 
 __all__ = [
@@ -157,29 +159,40 @@ class PipelineStage:
         self.pricer, self.bubble = pricer, bubble
         self.timing, self.max_length = timing, max_length
         self.search = PipelineSearch(pipeline, model, pricer, seed=seed)
-        #: Build seconds per sequence of the last construction (module docstring, step 3).
+        #: Build seconds per sequence of the last construction (module docstring, step 2) and
+        #: of each baseline built here.
         self.construct_per_sequence = CONSTRUCT_SECONDS_PER_SEQUENCE
+        self.build_per_sequence: dict[str, float] = {}
 
-    def baselines(self, batch: Batch, plans: dict[str, StepPlan]) -> list[tuple[str, StepPlan]]:
+    def baselines(
+        self, batch: Batch, plans: dict[str, StepPlan], deadline: float | None = None
+    ) -> list[tuple[str, StepPlan]]:
         """The PP baselines' plans of ``batch``, from the search's ``megatron`` and ``static``
-        plans where given (the same plans: built once), else built; a baseline that cannot align
-        the batch (too few sequences) is no candidate."""
+        plans where given (the same plans: built once), else built -- with a ``deadline`` only
+        when the build is expected to end before it (the last build's seconds per sequence;
+        ``SECONDS_PER_SEQUENCE`` before the first), as the search's own baselines are; a
+        baseline that cannot align the batch (too few sequences) is no candidate."""
         out = []
         longest = int(batch.lengths.max())
         cp = static_cp_size(max(longest, self.max_length or 0), self.topology)
-        builders: dict[str, Callable[[], StepPlan]] = {
-            "megatron-pp": lambda: megatron_pp_from(
-                plans.get("megatron") or megatron_plan(batch, self.topology), self.pipeline
-            ),
-            "static-pp": lambda: static_pp_from(
-                plans.get("static") or fixed_cp_plan(batch, self.topology, self.model, cp),
-                self.pipeline,
-                self.model,
-            ),
+        builders: dict[str, tuple[str, Callable[[], StepPlan]]] = {
+            "megatron-pp": ("megatron", lambda: megatron_plan(batch, self.topology)),
+            "static-pp": ("static", lambda: fixed_cp_plan(batch, self.topology, self.model, cp)),
         }
-        for name, build in builders.items():
+        for name, (base, build) in builders.items():
+            plan = plans.get(base)
+            if plan is None:
+                expected = len(batch) * self.build_per_sequence.get(name, SECONDS_PER_SEQUENCE)
+                if deadline is not None and time.perf_counter() + expected > deadline:
+                    continue
+                t0 = time.perf_counter()
+                plan = build()
+                self.build_per_sequence[name] = (time.perf_counter() - t0) / len(batch)
             try:
-                out.append((name, build()))
+                if name == "megatron-pp":
+                    out.append((name, megatron_pp_from(plan, self.pipeline)))
+                else:
+                    out.append((name, static_pp_from(plan, self.pipeline, self.model)))
             except ValueError:
                 continue
         return out
@@ -247,9 +260,12 @@ class PipelineStage:
         if deadline is not None:
             reserve = ORDER_SHARE * max(deadline - time.perf_counter(), 0.0)
         own_name, own = plans[0]
-        baselines = self.baselines(batch, dict(plans[1:]))
+        baselines = self.baselines(batch, dict(plans[1:]), deadline)
         find = self.search.candidates
-        priced = find([(own_name, own)], baselines)  # always: the never-slower guarantee
+        # Whatever the time: the search's plan and the PP baselines (never slower than them).
+        priced = find([(own_name, own)], baselines, factors=(1,))
+        doubled = find([(own_name, own)], factors=COUNT_FACTORS[1:], deadline=deadline, first=False)
+        priced += [c for c in doubled if len(c.plan.waves) > len(priced[-1].plan.waves)]
         extra = self.constructions(batch, deadline, reserve)
         priced += find(extra, deadline=deadline, first=False)
         aligned = []
@@ -262,12 +278,12 @@ class PipelineStage:
             )
             aligned.append((f"{name}-aligned", align_best([plan], self.model, None, budget)[1]))
         priced += find(aligned, factors=(1,), deadline=deadline, first=False)
-        smaller = []
         for share in TOKEN_BUDGETS:
             capacity = int(share * self.topology.capacity)
-            if capacity >= 1:
-                smaller.append((f"{own_name}-repacked-{share:g}", repack(own, capacity)))
-        priced += find(smaller, factors=(1,), deadline=deadline, first=False)
+            if capacity < 1 or (deadline is not None and time.perf_counter() >= deadline):
+                continue
+            smaller = [(f"{own_name}-repacked-{share:g}", repack(own, capacity))]
+            priced += find(smaller, factors=(1,), deadline=deadline, first=False)
         priced += find(plans[1:], factors=(1,), deadline=deadline, first=False)
         own_seconds = {c.name: c.own_seconds for c in priced if c.name in dict(baselines)}
         choice = self.search.choose(priced, evaluations=evaluations, deadline=deadline)
