@@ -26,8 +26,9 @@ for 1F1B, 2 for interleaved), over ``--batches`` batches:
   aligned (``static_pp_plan``).
 
 Columns: predicted step seconds (mean over the batches), the baselines' over dyncp's (the mean of
-the per-batch ratios: > 1 means dyncp is faster), dyncp's bubble fraction and slot count, and its
-gap to the pipelined lower bound when ``dyncp.planner.bounds.pipeline`` exists.
+the per-batch ratios: > 1 means dyncp is faster), the chosen plan in verl's order over it (what
+the order search gained), dyncp's bubble fraction and slot count, and its gap to the pipelined
+lower bound (``dyncp.planner.bounds.pipeline``).
 
 ``--latency`` (wall clock of this machine): ``plan()`` of the default planner (wall-clock
 budget, ``StepBudget()``) at PP 4 and ``--latency-world`` columns on ``--batches`` batches of each
@@ -98,7 +99,8 @@ def planner(model: CostModel, world: int, args: argparse.Namespace, virtual: int
 def compare(args: argparse.Namespace) -> None:
     print(
         f"{'dataset':17} {'model':5} {'cols':>4} {'V':>1} {'dyncp s':>8} {'mega s':>8} "
-        f"{'static s':>8} {'mega/dyn':>8} {'stat/dyn':>8} {'bubble':>6} {'slots':>5} {'gap':>6}"
+        f"{'static s':>8} {'mega/dyn':>8} {'stat/dyn':>8} {'verl/dyn':>8} {'bubble':>6} "
+        f"{'slots':>5} {'gap':>6}"
     )
     for dataset in DATASETS:
         for world in args.worlds:
@@ -124,6 +126,7 @@ def compare(args: argparse.Namespace) -> None:
                                 stats["bubble_fraction"],
                                 stats["slots"],
                                 np.nan if gap is None else gap,
+                                stats["rule_step_seconds"],
                             )
                         )
                     a = np.asarray(rows, dtype=np.float64)
@@ -131,6 +134,7 @@ def compare(args: argparse.Namespace) -> None:
                         f"{dataset:17} {name:5} {world:4d} {virtual:1d} {a[:, 0].mean():8.3f} "
                         f"{a[:, 1].mean():8.3f} {a[:, 2].mean():8.3f} "
                         f"{(a[:, 1] / a[:, 0]).mean():8.3f} {(a[:, 2] / a[:, 0]).mean():8.3f} "
+                        f"{(a[:, 6] / a[:, 0]).mean():8.3f} "
                         f"{a[:, 3].mean():6.3f} {a[:, 4].mean():5.1f} {a[:, 5].mean():6.3f}",
                         flush=True,
                     )
