@@ -24,7 +24,7 @@ import numpy as np
 
 from dyncp.plan.pipeline import BACKWARD, FORWARD, Pipeline, PipelineOp, stage_order
 
-__all__ = ["PipelineCost", "StageCosts", "schedule"]
+__all__ = ["PipelineCost", "ScheduleGraph", "StageCosts", "schedule", "schedule_graph"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,19 @@ class StageCosts:
                 f"StageCosts.busy must be {(m, w)} and segments {m} long, got "
                 f"{self.busy.shape} and {len(self.segments)}"
             )
+        for j, seg in enumerate(self.segments):
+            seg = np.asarray(seg)
+            if (
+                seg.ndim != 1
+                or not len(seg)
+                or seg[0] != 0
+                or (np.diff(seg) <= 0).any()
+                or (seg[-1] >= w)
+            ):
+                raise ValueError(
+                    f"StageCosts.segments[{j}] must start at column 0 and increase strictly "
+                    f"below {w} (each group's first column and each idle column), got {seg!r}"
+                )
         self.pipeline.check_slots(m)
 
     @property
@@ -106,9 +119,12 @@ class PipelineCost:
 
 
 @dataclass(frozen=True, slots=True)
-class _Graph:
-    """The schedule as arrays, the same for every column; nodes ordered by level."""
+class ScheduleGraph:
+    """The schedule of ``pipeline`` over ``slots`` slots as arrays, the same for every column and
+    every plan of that slot count (``schedule_graph``; reuse it to price many such plans)."""
 
+    pipeline: Pipeline
+    slots: int
     ops: tuple[tuple[PipelineOp, ...], ...]
     node: np.ndarray  # (N, 2): (stage, index) of each node, by level
     bounds: np.ndarray  # level l is nodes bounds[l]:bounds[l + 1]
@@ -120,7 +136,9 @@ class _Graph:
     backward: np.ndarray  # (N,) bool
 
 
-def _graph(pipeline: Pipeline, slots: int) -> _Graph:
+def schedule_graph(pipeline: Pipeline, slots: int) -> ScheduleGraph:
+    """The dependency graph of ``pipeline``'s order over ``slots`` slots, cut into levels."""
+    pipeline.check_slots(slots)
     p, nq = pipeline.stages, pipeline.model_stages
     ops = tuple(stage_order(pipeline, slots, s) for s in range(p))
     k = len(ops[0])
@@ -163,7 +181,9 @@ def _graph(pipeline: Pipeline, slots: int) -> _Graph:
     dep_at = np.asarray([index[d[0]] if d else total for d in deps], dtype=np.int64)
     hop = np.asarray([d[1] if d else 0 for d in deps], dtype=np.int64)
     chosen = [ops[s][i] for s, i in nodes]
-    return _Graph(
+    return ScheduleGraph(
+        pipeline=pipeline,
+        slots=slots,
         ops=ops,
         node=np.asarray(nodes, dtype=np.int64).reshape(total, 2),
         bounds=bounds,
@@ -176,11 +196,19 @@ def _graph(pipeline: Pipeline, slots: int) -> _Graph:
     )
 
 
-def schedule(costs: StageCosts) -> PipelineCost:
-    """Time the operations of ``costs`` along their schedule (module docstring)."""
+def schedule(costs: StageCosts, *, graph: ScheduleGraph | None = None) -> PipelineCost:
+    """Time the operations of ``costs`` along their schedule (module docstring); ``graph``:
+    ``schedule_graph(costs.pipeline, costs.slots)`` made once for many plans."""
     pipeline = costs.pipeline
     m, w = costs.slots, costs.columns
-    g = _graph(pipeline, m)
+    if graph is None:
+        graph = schedule_graph(pipeline, m)
+    elif (graph.pipeline, graph.slots) != (pipeline, m):
+        raise ValueError(
+            f"the graph is of {graph.pipeline} over {graph.slots} slots; the costs are of "
+            f"{pipeline} over {m}"
+        )
+    g = graph
     p = pipeline.stages
     total = len(g.slot)
     k = total // p

@@ -6,23 +6,25 @@ group runs one micro-batch on the same columns of every stage, and virtual stage
 
 1. :func:`stage_costs` cuts each micro-batch's cost-model seconds ``T`` into a forward and a
    backward per virtual stage, and prices the activation transfers between virtual stages.
-2. :func:`price_pipeline` runs the schedule: an operation starts when the previous operation of
-   its (stage, column) is done and its input has arrived (data dependency done + transfer), and
-   the members of a group start a micro-batch's operation together (each layer's ring collective
-   needs all of them: start = max over the group's columns). A column idle in a slot does
-   nothing there: its operations take no time and wait for nothing.
+2. :func:`price_pipeline` runs the schedule (``dyncp.cost_model.pipeline_schedule``): an
+   operation starts when the previous operation of its (stage, column) is done and its input
+   has arrived (data dependency done + transfer), and the members of a group start a
+   micro-batch's operation together (each layer's ring collective needs all of them: start =
+   max over the group's columns). A column idle in a slot does nothing there: its operations
+   take no time and wait for nothing.
 
 How a micro-batch's ``T`` (``model.microbatch_seconds(cp, lengths, heads=u)``) is cut, with
 ``L = lin * priced_tokens / cp`` (the profile's ``linear_seconds_per_token``: all non-attention
 work *including the LM head*) and ``C = model.microbatch_overhead``:
 
 - ``H = head_fraction * L``: the LM head (plus its loss), on the last virtual stage only.
-  ``head_fraction = 2 h V / (layers * F_layer + 2 h V)`` with ``F_layer`` a decoder layer's forward
-  GEMM FLOPs per token from the profile's ``model`` shape: ``2 h (n_q d + 2 n_kv d) + 2 n_q d h``
-  (QKV and output projections) ``+ 3 * 2 h f`` (a gated MLP's three GEMMs; a plain MLP has two, so
-  this understates the head of such a model by at most a third of its MLP). Assumption: the head's
-  GEMM runs at the same seconds per FLOP as the layers' linear work (same GEMM shapes class, bf16).
-  The embedding lookup is priced at 0 (a gather, no GEMM).
+  ``head_fraction = 2 h vocab / (layers * F_layer + 2 h vocab)`` with ``F_layer`` a decoder
+  layer's forward GEMM FLOPs per token from the profile's ``model`` shape: ``2 h (n_q d + 2 n_kv
+  d) + 2 n_q d h`` (QKV and output projections) ``+ 3 * 2 h f`` (a gated MLP's three GEMMs; a
+  plain MLP has two, so for such a model the layer is overstated by a third of its MLP and the
+  head's share understated accordingly). Assumption: the head's GEMM runs at the same seconds
+  per FLOP as the layers' linear work (large bf16 GEMMs alike). The embedding lookup is priced
+  at 0 (a gather, no GEMM).
 - ``LL = L - H``: the layers' linear work, split over virtual stages by their layer share.
 - ``N = T - C - L``: attention, ring transfers and (layer mixes) window/SSM terms, per layer, split
   by layer share too (every layer of a profile is priced alike, so a stage of ``n`` layers pays
@@ -32,13 +34,14 @@ work *including the LM head*) and ``C = model.microbatch_overhead``:
   ``P x V`` times in all.
 
 Forward/backward split (each a stated assumption): linear work and the head backward = 2 x
-forward (dgrad + wgrad GEMMs, Narayanan et al. 2021, sec. 3.2); ``N`` by the profile's attention
-``backward_forward_ratio`` (``fwd_fraction`` of ``full_attention``; the ring's exposed transfer
-and window/SSM terms are assumed to follow attention's split, since the ring overlaps attention
-compute step by step); ``C`` 1 : 2 like the linear work (the backward launches about twice the
-kernels). A cost model without these parts (a plug-in that only has ``microbatch_seconds``) is
-cut uniformly: all of ``T - C`` by layer share, 1 : 2, no separate head; ``num_layers`` must then
-be given.
+forward (dgrad + wgrad GEMMs; the FLOPs accounting of Narayanan et al., SC'21); ``N`` by the
+profile's attention ``backward_forward_ratio`` (``fwd_fraction`` of ``full_attention``; the
+ring's exposed transfer and window/SSM terms are assumed to follow attention's split, since the
+ring overlaps attention compute step by step); ``C`` 1 : 2 like the linear work (the backward
+launches about twice the kernels). A cost model without these parts (a plug-in with
+``packs_seconds`` and ``microbatch_overhead`` but no ``lin``, ``priced``, ``fwd_fraction`` or
+``profile``) is cut uniformly: all of ``T - C`` by layer share, 1 : 2, no separate head;
+``num_layers`` must then be given.
 
 Activation transfers: between consecutive virtual stages a column moves its local tokens'
 hidden states, ``padded tokens / cp x hidden_size x dtype_bytes`` (plan padding; the profile's
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dyncp.cost_model.pipeline_schedule import PipelineCost, StageCosts, schedule
+from dyncp.cost_model.pipeline_schedule import PipelineCost, ScheduleGraph, StageCosts, schedule
 from dyncp.plan import StepPlan, padded_lengths
 from dyncp.plan.pipeline import Pipeline, stage_layers
 
@@ -128,12 +131,15 @@ class _Items:
 def _items(plan: StepPlan, model: object, parts: bool) -> _Items:
     """One vectorised pricing call per group layout (CP size, head split), as evaluate_plan."""
     lengths = np.asarray(plan.lengths, dtype=np.int64)
-    groups = [(j, g) for j, wave in enumerate(plan.waves) for g in wave.groups]
-    n = len(groups)
-    table = np.asarray([(j, g.start, g.size, g.heads) for j, g in groups], dtype=np.int64)
-    table = table.reshape(n, 4)
-    slot, start, size, heads = table.T
-    packs = [g.microbatches[0].seq_ids for _, g in groups]
+    rows = [
+        (j, g.start, g.size, g.heads, g.microbatches[0].seq_ids)
+        for j, wave in enumerate(plan.waves)
+        for g in wave.groups
+    ]
+    n = len(rows)
+    columns = list(zip(*rows)) if rows else [()] * 5
+    slot, start, size, heads = (np.asarray(c, dtype=np.int64) for c in columns[:4])
+    packs = columns[4]
     counts = np.fromiter(map(len, packs), dtype=np.int64, count=n)
     ids = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=counts.sum())
     firsts = np.cumsum(counts) - counts
@@ -275,10 +281,16 @@ def stage_costs(
 
 
 def price_pipeline(
-    plan: StepPlan, model: object, *, costs: StageCosts | None = None
+    plan: StepPlan,
+    model: object,
+    *,
+    costs: StageCosts | None = None,
+    graph: ScheduleGraph | None = None,
 ) -> PipelineCost:
     """The step of pipelined ``plan`` under ``model`` (module docstring); ``costs`` replaces the
-    cost model's operation seconds (``stage_costs``; then ``model`` is not called)."""
+    cost model's operation seconds (``stage_costs``; then ``model`` is not called); ``graph``
+    (``pipeline_schedule.schedule_graph``) saves building the schedule again when many plans of
+    one slot count are priced."""
     if costs is None:
         costs = stage_costs(plan, model)
     elif costs.pipeline != plan.pipeline:
@@ -288,4 +300,4 @@ def price_pipeline(
             f"costs are for {costs.slots} slots x {costs.columns} columns, the plan has "
             f"{len(plan.waves)} x {plan.topology.world}"
         )
-    return schedule(costs)
+    return schedule(costs, graph=graph)

@@ -6,14 +6,12 @@ Modules:
 - ``lp_bound``: the tight bound, an LP relaxation in a branch and bound (docs/lp-bound.md);
 - ``holding``: the holding bounds of the longest sequences' groups, part of the tight bound;
 - ``rounding``: the rounding bound, part of the tight bound under dataflow;
-- ``pipeline``: the bound of pipelined plans (``price_pipeline``'s step);
 - ``deferred``: bounds computed on a worker thread after ``Planner.plan`` returns.
 """
 
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.deferred import BOUND_KEYS, PENDING, DeferredBounds
 from dyncp.planner.bounds.lp_bound import LpBound, lp_lower_bound
-from dyncp.planner.bounds.pipeline import PipelineBound, pipeline_lower_bound
 from dyncp.planner.bounds.rounding import rounding_bound
 
 __all__ = [
@@ -21,9 +19,7 @@ __all__ = [
     "DeferredBounds",
     "LpBound",
     "PENDING",
-    "PipelineBound",
     "lower_bound",
     "lp_lower_bound",
-    "pipeline_lower_bound",
     "rounding_bound",
 ]

@@ -7,7 +7,7 @@ import pytest
 
 from dyncp.cost_model import CostModel, bundled_profiles, price_pipeline, stage_costs
 from dyncp.cost_model.evaluate import time_waves
-from dyncp.cost_model.pipeline_schedule import StageCosts, schedule
+from dyncp.cost_model.pipeline_schedule import StageCosts, schedule, schedule_graph
 from dyncp.cost_model.pipeline_timing import LINEAR_FORWARD, cost_split
 from dyncp.plan import (
     Group,
@@ -87,8 +87,8 @@ def test_equal_microbatches_under_1f1b_take_m_plus_p_minus_1_steps(p: int, slots
 @pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_interleaved_shrinks_the_bubble_to_p_minus_1_chunks(p: int, v: int, groups: int) -> None:
-    # Megatron-LM (Narayanan et al. 2021, sec. 2.2): bubble (P - 1) x (f + b) / V for a whole
-    # stage's f and b, i.e. P - 1 chunk forward+backwards; the rest is M x V chunks of work.
+    # Megatron-LM's interleaved schedule (Narayanan et al., SC'21): bubble (P - 1) x (f + b) / V
+    # for a whole stage's f and b, i.e. P - 1 chunk forward+backwards; the rest is M x V chunks.
     m = groups * p
     cost = schedule(_uniform(p, v, m))
     assert cost.step_seconds == pytest.approx((m * v + p - 1) * 3.0)
@@ -261,6 +261,9 @@ def test_bad_inputs_are_refused_with_what_is_allowed() -> None:
         price_pipeline(_plan(4, Pipeline(4), 2), model, costs=costs)
     with pytest.raises(ValueError, match="costs are for 2 slots x 4 columns, the plan has 3 x 4"):
         price_pipeline(_plan(4, Pipeline(2), 3), model, costs=costs)
+    bad = (np.array([1, 2]),) + costs.segments[1:]
+    with pytest.raises(ValueError, match=r"segments\[0\] must start at column 0"):
+        StageCosts(costs.pipeline, costs.forward, costs.backward, costs.transfer, costs.busy, bad)
     with pytest.raises(ValueError, match="StageCosts.backward has shape"):
         StageCosts(
             costs.pipeline,
@@ -289,3 +292,14 @@ def test_a_large_plan_prices_to_a_consistent_timeline() -> None:
     first = cost.op_start[3, 0]
     chain = costs.forward[0, :, :3].sum(axis=1) + costs.transfer[0, :, 1:4].sum(axis=1)
     assert (first >= chain - 1e-9).all()
+
+
+def test_a_graph_made_once_prices_every_plan_of_its_slot_count_alike() -> None:
+    model = CostModel.load("h100-reference", 8)
+    graph = schedule_graph(Pipeline(2, 2), 4)
+    for seed in range(3):
+        plan = _plan(8, Pipeline(2, 2), 4, seed=seed)
+        fresh, reused = price_pipeline(plan, model), price_pipeline(plan, model, graph=graph)
+        np.testing.assert_array_equal(fresh.op_end, reused.op_end)
+    with pytest.raises(ValueError, match="the graph is of"):
+        price_pipeline(_plan(8, Pipeline(2, 2), 6), model, graph=graph)

@@ -255,3 +255,53 @@ def test_a_plug_in_model_is_bounded_too(
     best, _ = optimum(lengths, topo, pipeline, model, **kw)
     bound = pipeline_lower_bound(np.asarray(lengths), topo, pipeline, model, **kw)
     assert 0.5 * best <= bound.seconds <= best * (1 + REL), (bound, best)
+
+
+def _random_plan(lengths: list[int], topo: Topology, pipeline: Pipeline, rng: random.Random):
+    """Sequences dealt at random into micro-batches of one or two, each on the smallest group
+    that holds it, placed first-fit at aligned columns (a random gap leaves columns idle), a
+    new slot when the current one is full; None when the slot count does not suit the
+    schedule (the caller draws again)."""
+    ids = list(range(len(lengths)))
+    rng.shuffle(ids)
+    slots: list[list] = [[]]
+    free = 0
+    while ids:
+        block = tuple(ids[: rng.randint(1, 2)])
+        if not _fits(block, topo.world, lengths, topo):
+            block = block[:1]
+        del ids[: len(block)]
+        size = next(c for c in topo.group_sizes if _fits(block, c, lengths, topo))
+        start = -(-free // size) * size
+        if start + size > topo.world:
+            slots.append([])
+            start = 0
+        slots[-1].append((block, start, size))
+        free = start + size + rng.choice([0, 0, 1])
+    if len(slots) % pipeline.slot_multiple():
+        return None
+    return to_plan([tuple(x) for x in slots], lengths, topo, pipeline)
+
+
+@pytest.mark.parametrize("kind", ["reference", "quadratic"])
+@pytest.mark.parametrize("pipeline", [Pipeline(3), Pipeline(4), Pipeline(3, 2), Pipeline(4, 2)])
+def test_bound_is_below_random_plans_on_more_stages(kind: str, pipeline: Pipeline) -> None:
+    """The fill and drain through two and three earlier stages, on 8 columns."""
+    rng = random.Random(7)
+    model = cost_model(kind, 4)
+    topo = Topology(8, 4, 4096)
+    priced = 0
+    for _ in range(60):
+        lengths = [
+            rng.choice([64, 300, 1200, 3000, 7000, 12000]) for _ in range(rng.randint(8, 20))
+        ]
+        plan = _random_plan(lengths, topo, pipeline, rng)
+        if plan is None:
+            continue
+        plan.validate()
+        priced += 1
+        step = price_pipeline(plan, model).step_seconds
+        bound = pipeline_lower_bound(np.asarray(lengths), topo, pipeline, model)
+        assert bound.seconds <= step * (1 + REL), (bound, step)
+        assert bound.fill[-1] > bound.fill[1] > 0.0
+    assert priced >= 10
