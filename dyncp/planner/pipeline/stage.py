@@ -42,6 +42,7 @@ import numpy as np
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.pipeline_schedule import ScheduleGraph, schedule_graph
 from dyncp.cost_model.pipeline_timing import StageCosts, price_pipeline, stage_costs
 from dyncp.plan import Pipeline, StepPlan, Topology
 from dyncp.planner.baselines.candidates import SECONDS_PER_SEQUENCE
@@ -359,10 +360,17 @@ class PipelineStage:
 def reordering_pricer(model: CostModel) -> OrderPricer:
     """``price_pipeline`` under ``model`` by slot order: each plan's operation costs
     (``stage_costs``) computed once, permuted per order (a slot's costs do not depend on its
-    position), only the schedule re-run."""
+    position), only the schedule re-run, on a graph built once per slot count
+    (``schedule_graph``)."""
+    graphs: dict[tuple[Pipeline, int], ScheduleGraph] = {}
 
     def prepare(plan: StepPlan) -> OrderPrice:
         costs = stage_costs(plan, model)
+        assert plan.pipeline is not None
+        key = (plan.pipeline, len(plan.waves))
+        if key not in graphs:
+            graphs[key] = schedule_graph(*key)
+        graph = graphs[key]
 
         def price(order) -> float:  # type: ignore[no-untyped-def]
             o = np.asarray(list(order), dtype=np.int64)
@@ -374,7 +382,7 @@ def reordering_pricer(model: CostModel) -> OrderPricer:
                 costs.busy[o],
                 tuple(costs.segments[i] for i in o),
             )
-            return price_pipeline(plan, model, costs=moved).step_seconds
+            return price_pipeline(plan, model, costs=moved, graph=graph).step_seconds
 
         return price
 
