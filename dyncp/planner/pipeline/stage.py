@@ -87,8 +87,9 @@ ORDER_SHARE = 0.25
 #: 2-core machine (shared).
 CONSTRUCT_SECONDS_PER_SEQUENCE = 110e-6
 #: Prices the order search makes per second of its share in deterministic mode (where a clock
-#: would make plans differ between ranks): 6.5 ms a price at 512 columns, 2.2 ms at 64
-#: (``PipelineSearch.choose`` over 100 prices, this project's 2-core machine), the slower.
+#: would make plans differ between ranks): the slowest measured, 4.5 ms a price at 512 columns
+#: interleaved over 4 stages (8 slots; 0.65 ms under 1F1B, 0.6-1.4 ms at 64 columns), is 222 a
+#: second on this project's 2-core machine shared with other jobs; 150 leaves a third for load.
 ORDER_EVALUATIONS_PER_SECOND = 150
 
 
