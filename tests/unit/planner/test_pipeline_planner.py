@@ -21,6 +21,7 @@ from dyncp.planner.baselines.pipeline import (
     static_pp_plan,
 )
 from dyncp.planner.baselines.static import fixed_cp_plan
+from dyncp.planner.batch import Batch
 from dyncp.planner.pipeline import (
     OrderSearch,
     by_plan,
@@ -31,7 +32,8 @@ from dyncp.planner.pipeline import (
     to_slots,
     with_order,
 )
-from dyncp.planner.pipeline.stage import PipelineStats, reordering_pricer
+from dyncp.planner.pipeline.search import slotted
+from dyncp.planner.pipeline.stage import PipelineStats, priced_stage, reordering_pricer
 from dyncp.planner.planner import Planner
 
 REL = 1e-9
@@ -227,6 +229,28 @@ def test_planner_plans_are_valid_and_never_slower_than_the_baselines_or_verls_or
     ordered = with_order(plan, ends_small_order(slot_seconds(plan, model())))
     assert seconds <= price(ordered) * (1 + REL)
     assert seconds <= plan.stats["pipeline"]["rule_step_seconds"] * (1 + REL)
+
+
+def test_the_stage_out_of_time_still_takes_a_faster_pp_baseline():
+    """Past its deadline the stage prices only the search's plan and the PP baselines made from
+    the search's baseline plans: from a poor plan (every micro-batch on all 16 ranks) it must
+    hand out the faster baseline."""
+    lengths = batch(6)
+    pipeline = Pipeline(4)
+    poor = fixed_cp_plan(lengths, TOPO, model(), 16)
+    stage = priced_stage(pipeline, TOPO, model())
+    plan, stats = stage.run(
+        Batch(lengths, TOPO),
+        [("dyncp", poor), ("megatron", megatron_plan(lengths, TOPO))],
+        search=True,
+        evaluations=0,
+        deadline=0.0,
+    )
+    assert_pipelined(plan, pipeline, len(lengths))
+    mega = price(megatron_pp_plan(lengths, TOPO, pipeline))
+    assert price(slotted(poor, pipeline, model(), 1)) > mega  # (the premise)
+    assert stats.predicted_step_seconds <= mega * (1 + REL)
+    assert stats.predicted_step_seconds == pytest.approx(price(plan), rel=REL)
 
 
 def test_planner_is_deterministic():
