@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dyncp.cost_model.evaluate import check_timing
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.sharding import ShardingCost
-from dyncp.plan import StepPlan
+from dyncp.plan import Pipeline, StepPlan
 from dyncp.planner.budget import StepBudget
 from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.pass_align import PASSES
@@ -108,6 +108,11 @@ class PlannerConfig:
             gives the faster aligned plan (``bench/fsdp_predict.py``).
         sharding: what full sharding adds to each pass (``dyncp.cost_model.sharding``), used
             by ``passes="aligned"`` (None: collectives priced free).
+        pipeline: plan pipelined steps over these stages (``dyncp.plan.pipeline.Pipeline``;
+            None: no pipeline parallelism). The plans are then pipelined (slots, one
+            micro-batch per group), chosen and ordered by the pipelined price
+            (``dyncp.planner.pipeline``), and ``predicted_step_seconds`` is that price. Not with
+            ``passes="aligned"`` (lockstep passes are another schedule).
 
     Raises:
         ValueError: an option outside what is allowed (the message names it).
@@ -136,6 +141,7 @@ class PlannerConfig:
     layout: bool = True
     passes: str = "free"
     sharding: ShardingCost | None = None
+    pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_sizes", tuple(self.group_sizes))
@@ -170,6 +176,16 @@ class PlannerConfig:
                 raise ValueError(
                     "sharding prices the passes of passes='aligned'; give passes='aligned' "
                     "or leave sharding None"
+                )
+        if self.pipeline is not None:
+            if not isinstance(self.pipeline, Pipeline):
+                raise ValueError(
+                    f"pipeline must be a Pipeline(stages, virtual) or None, got {self.pipeline!r}"
+                )
+            if self.passes != "free":
+                raise ValueError(
+                    "pipeline plans slots in the pipeline's order; give passes='free' with a "
+                    f"pipeline, got passes={self.passes!r}"
                 )
         if not self.seconds_per_step > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {self.seconds_per_step}")

@@ -50,6 +50,10 @@ few milliseconds) with ``bound="tight"`` (default), the closed-form one
 wall clock of the whole ``plan()`` call, validation included, and the bounds unless they are
 deferred.
 
+Pipelines (``pipeline=Pipeline(P, V)``): the search runs for ``1 - PIPELINE_SHARE`` of the limit,
+then the pipeline stage (``dyncp.planner.pipeline.stage``: count, order, stats) pipelines; the
+bound and a budget's prediction are the pipelined bound (``dyncp.planner.bounds.pipeline``).
+
 Deferred bounds (``defer_bound``): at 16,384 ranks the tight bound takes as long as building the
 plan, so it may be computed after ``plan()`` returns, on a worker thread
 (``dyncp.planner.bounds.deferred``): the plan's bound fields are ``None`` and
@@ -66,11 +70,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import PlanCost
 from dyncp.cost_model.model import CostModel
 from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.candidates import BaselineCandidates
@@ -78,6 +81,7 @@ from dyncp.planner.baselines.static import static_cp_size
 from dyncp.planner.batch import Batch
 from dyncp.planner.bounds.closed_form import lower_bound
 from dyncp.planner.bounds.deferred import DeferredBounds
+from dyncp.planner.bounds.pipeline import pipeline_lower_bound
 from dyncp.planner.bounds.report import (
     BOUND_SECONDS_PER_SEQUENCE,
     bound_fields,
@@ -97,8 +101,9 @@ from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
 from dyncp.planner.improvement.laminar import LaminarImprover
-from dyncp.planner.improvement.pass_align import AlignBudget, align_best
-from dyncp.planner.stages import PlannerStages, nested_core
+from dyncp.planner.improvement.pass_align import ALIGN_WORK_PER_SECOND, AlignBudget, align_best
+from dyncp.planner.pipeline.stage import PIPELINE_SHARE, PipelineStage
+from dyncp.planner.stages import BaselinePlan, PlannerStages, nested_core
 
 __all__ = [
     "Planner",
@@ -129,20 +134,6 @@ BASELINE_SHARE = 0.75
 #: p50), so an even split lets a limit of about a second do both; a baseline's plan, aligned
 #: while time is left, can be the faster in lockstep.
 ALIGN_SHARE = 0.5
-#: Work units (``AlignBudget``: one group of one drafted wave) alignment does per second of
-#: its share in deterministic mode, where a clock would make plans differ between ranks:
-#: measured by ``bench/fsdp_predict.py --latency`` (medians of 43,283 to 50,122 a second over 5
-#: batches at 512 ranks in three runs, on a 2-core machine shared with other jobs), rounded down.
-ALIGN_WORK_PER_SECOND = 40_000
-
-
-class _Baseline(NamedTuple):
-    """A baseline's plan as rings, as handed out, and its seconds (``Planner.timing``)."""
-
-    name: str
-    rings: StepPlan
-    final: StepPlan
-    seconds: float
 
 
 def _topology(config: PlannerConfig, model: CostModel) -> Topology:
@@ -219,6 +210,8 @@ class Planner(PlannerStages):
         self.min_improve_seconds = config.min_improve_seconds
         self.improver = config.improver
         self.bound = config.bound
+        self.pipeline = config.pipeline
+        self._pipeline_stage: PipelineStage | None = None
         self.defer_bound = config.defer_bound
         self._deferred = DeferredBounds()
         self.reserve_seconds = min(float(config.reserve_seconds), 0.5 * self.time_limit)
@@ -263,7 +256,7 @@ class Planner(PlannerStages):
             return None
         return start + BASELINE_SHARE * max(deadline - start, 0.0)
 
-    def _build_baselines(self, batch: Batch, deadline: float | None) -> list[_Baseline]:
+    def _build_baselines(self, batch: Batch, deadline: float | None) -> list[BaselinePlan]:
         """The baseline plans built by ``deadline`` (all in deterministic mode): each as rings
         (what the search continues from) and as handed out (a hybrid policy's with its splits
         chosen), with its seconds under the model and the planner's timing."""
@@ -277,44 +270,8 @@ class Planner(PlannerStages):
                 final = choose_splits(rings, self.model)
                 final.policy = self.policy
             seconds = self._seconds(final, self.model)
-            out.append(_Baseline(name, rings, final, seconds))
+            out.append(BaselinePlan(name, rings, final, seconds))
         return out
-
-    def _take_baseline(
-        self,
-        plan: StepPlan,
-        cost: PlanCost,
-        baselines: list[_Baseline],
-        stats: dict,
-    ) -> tuple[StepPlan, PlanCost]:
-        """The constructed plan, or the fastest baseline where it is faster (under the
-        planner's timing, as the search prices it): the improvement then starts from the
-        better of them."""
-        if not baselines:
-            return plan, cost
-        stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
-        # ``cost`` is ``plan``'s under the search's pricing; so is each baseline's below.
-        priced = [self._price(b.rings, self._pricing) for b in baselines]
-        n = min(range(len(baselines)), key=lambda i: (priced[i].step_seconds, i))
-        if priced[n].step_seconds >= cost.step_seconds:
-            return plan, cost
-        stats["chosen"] = f"baseline:{baselines[n].name}"
-        return baselines[n].rings, priced[n]
-
-    def _never_worse(
-        self,
-        plan: StepPlan,
-        cost: PlanCost,
-        baselines: list[_Baseline],
-        stats: dict,
-    ) -> tuple[StepPlan, PlanCost]:
-        """The final plan, or the fastest baseline where the final plan is slower under the
-        planner's timing (an improvement accepted under another objective can be)."""
-        best = min(baselines, key=lambda b: b.seconds)
-        if best.seconds >= cost.step_seconds:  # ``cost``: ``plan``'s under the model
-            return plan, cost
-        stats["chosen"] = f"baseline:{best.name}"
-        return best.final, self._price(best.final, self.model)
 
     # ------------------------------------------------------------------------------ API
     def plan(
@@ -338,8 +295,15 @@ class Planner(PlannerStages):
         simple: float | None = None  # the closed-form bound, when the budget follows it
         if budget is not None and self.policy in ("dyncp", HYBRID_POLICY):
             simple = lower_bound(batch, self.topology, self.search_model)
-        limit = self._budget_seconds(budget, simple, stats)
-        defer = self._defers(len(lengths), limit)
+        pipeline = self.pipeline
+        if pipeline is not None:  # the pipelined bound: reported, and what the budget follows
+            pbound = pipeline_lower_bound(batch, self.topology, pipeline, self.model).seconds
+            stats["pipeline_bound"] = pbound
+        predicted = simple if pipeline is None or simple is None else pbound
+        limit = self._budget_seconds(budget, predicted, stats)
+        pipe_limit = PIPELINE_SHARE * limit if pipeline is not None else 0.0
+        limit -= pipe_limit
+        defer = pipeline is None and self._defers(len(lengths), limit)
         tail = self._tail_seconds
         if tail is None:  # first call: an estimate from the batch's size
             tail = TAIL_SECONDS_PER_SEQUENCE * len(lengths)
@@ -385,6 +349,9 @@ class Planner(PlannerStages):
                 cost = self._price(plan, self.model)
             seconds = report.seconds_after
             stats["alignment"] = report.as_dict()
+        if pipeline is not None:
+            named = [(self.policy, plan), *((b.name, b.rings) for b in baselines)]
+            plan, seconds = self._pipelined(batch, named, stats, start, limit, pipe_limit)
         t0 = time.perf_counter()
         plan.validate()
         t1 = time.perf_counter()
@@ -394,7 +361,9 @@ class Planner(PlannerStages):
         st.predicted_step_seconds = seconds
         st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
         st.waves = len(plan.waves)
-        if defer:
+        if pipeline is not None:
+            st.imbalance = st.efficiency = None  # (the unpipelined plan's; the slots differ)
+        elif defer:
             search_model = self.search_model
             st.bound = {"kind": "tight"}
             self._deferred.submit(

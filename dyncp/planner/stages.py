@@ -3,8 +3,9 @@
 ``Planner.plan`` (``planner``) runs a pipeline with a deadline; its stages are here, as methods
 of ``PlannerStages``, the base of ``Planner``: ``_construct`` (the constructor of each policy,
 two constructions with half the time each for a menu whose sizes do not nest and for head
-splits), then ``_run_layout``, ``_run_cpsat`` and ``_run_improver``, each of whose plans is kept
-only when it is valid and predicted faster (``_keep_better``). The state they read (the model,
+splits), then ``_run_layout``, ``_run_cpsat`` and ``_run_improver``, each of whose plans is
+kept only when it is valid and predicted faster (``_keep_better``), and for a pipeline
+``_pipelined`` (``dyncp.planner.pipeline.stage``). The state they read (the model,
 topology, policy, solvers, time limits) is the ``Planner``'s.
 """
 
@@ -13,22 +14,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
 from dyncp.cost_model.model import CostModel
-from dyncp.plan import PlanError, StepPlan, Topology
+from dyncp.plan import Pipeline, PlanError, StepPlan, Topology
 from dyncp.planner.baselines.dp_balanced import dp_balanced_plan
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.static import batch_adaptive_plan, fixed_cp_plan
 from dyncp.planner.batch import Batch
-from dyncp.planner.config import HYBRID_POLICY, Improver
+from dyncp.planner.config import HYBRID_POLICY, Improver, PlannerConfig
 from dyncp.planner.construction.assignment import Assignment
 from dyncp.planner.construction.greedy import GreedyConstructor
 from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import LaminarImprover
+from dyncp.planner.improvement.pass_align import ALIGN_WORK_PER_SECOND
+from dyncp.planner.pipeline.stage import ORDER_EVALUATIONS_PER_SECOND, PipelineStage, priced_stage
 
-__all__ = ["LAYOUT_SHARE", "PlannerStages", "nested_core"]
+__all__ = ["BaselinePlan", "LAYOUT_SHARE", "PlannerStages", "nested_core"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,15 @@ def nested_core(topology: Topology) -> Topology | None:
     return Topology(topology.world, topology.ranks_per_node, topology.capacity, core)
 
 
+class BaselinePlan(NamedTuple):
+    """A baseline's plan as rings, as handed out, and its seconds (``Planner.timing``)."""
+
+    name: str
+    rings: StepPlan
+    final: StepPlan
+    seconds: float
+
+
 class PlannerStages:
     """The construction and improvement stages of ``Planner`` (module docstring)."""
 
@@ -74,6 +87,10 @@ class PlannerStages:
     improver: Improver | None
     solver_status_counts: Counter[str]
     _envelope: SplitEnvelope | None
+    pipeline: Pipeline | None
+    config: PlannerConfig
+    reserve_seconds: float
+    _pipeline_stage: PipelineStage | None
 
     # ------------------------------------------------------------------------------ stages
     def _construct(
@@ -279,3 +296,86 @@ class PlannerStages:
             log.warning("improver failed, keeping the constructed plan: %s", exc)
             return plan, cost
         return self._keep_better(plan, cost, candidate, "improver")
+
+    def _pipelined(
+        self,
+        batch: Batch,
+        named: list[tuple[str, StepPlan]],
+        stats: dict,
+        start: float,
+        limit: float,
+        pipe_limit: float,
+    ) -> tuple[StepPlan, float]:
+        """The pipeline stage (``dyncp.planner.pipeline.stage``) on the search's plan and the
+        baselines' plans (``named``: the policy's first), for ``pipe_limit`` seconds after the
+        search's ``limit`` (deterministic mode: ``ORDER_EVALUATIONS_PER_SECOND`` x
+        ``pipe_limit`` prices)."""
+        assert self.pipeline is not None
+        stage = self._pipeline_stage
+        if stage is None or stage.model is not self.model:  # (a new model version: anew)
+            stage = self._pipeline_stage = priced_stage(
+                self.pipeline,
+                self.topology,
+                self.model,
+                timing=self.timing,
+                max_length=self.config.max_length,
+            )
+        search = self.policy in ("dyncp", HYBRID_POLICY)
+        if self.deterministic:
+            deadline, evaluations = None, int(pipe_limit * ORDER_EVALUATIONS_PER_SECOND)
+        else:
+            reserve = min(self.reserve_seconds, 0.5 * pipe_limit)
+            deadline, evaluations = start + limit + pipe_limit - reserve, 1 << 30
+        out, pstats = stage.run(
+            batch,
+            named,
+            search=search,
+            evaluations=evaluations,
+            deadline=deadline,
+            bound=stats.pop("pipeline_bound", None),
+            align_work=int(pipe_limit * ALIGN_WORK_PER_SECOND) if self.deterministic else None,
+        )
+        stats["pipeline"] = pstats.as_dict()
+        if pstats.lower_bound_seconds is not None:
+            stats["lower_bound_seconds"] = pstats.lower_bound_seconds
+            stats["gap_to_lower_bound"] = pstats.gap_to_lower_bound
+        if pstats.chosen != self.policy:
+            stats["chosen"] = f"pipeline:{pstats.chosen}"
+        out.policy = self.policy
+        return out, pstats.predicted_step_seconds
+
+    def _take_baseline(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[BaselinePlan],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The constructed plan, or the fastest baseline where it is faster (under the
+        planner's timing, as the search prices it): the improvement then starts from the
+        better of them."""
+        if not baselines:
+            return plan, cost
+        stats["baseline_seconds"] = {b.name: b.seconds for b in baselines}
+        # ``cost`` is ``plan``'s under the search's pricing; so is each baseline's below.
+        priced = [self._price(b.rings, self._pricing) for b in baselines]
+        n = min(range(len(baselines)), key=lambda i: (priced[i].step_seconds, i))
+        if priced[n].step_seconds >= cost.step_seconds:
+            return plan, cost
+        stats["chosen"] = f"baseline:{baselines[n].name}"
+        return baselines[n].rings, priced[n]
+
+    def _never_worse(
+        self,
+        plan: StepPlan,
+        cost: PlanCost,
+        baselines: list[BaselinePlan],
+        stats: dict,
+    ) -> tuple[StepPlan, PlanCost]:
+        """The final plan, or the fastest baseline where the final plan is slower under the
+        planner's timing (an improvement accepted under another objective can be)."""
+        best = min(baselines, key=lambda b: b.seconds)
+        if best.seconds >= cost.step_seconds:  # ``cost``: ``plan``'s under the model
+            return plan, cost
+        stats["chosen"] = f"baseline:{best.name}"
+        return best.final, self._price(best.final, self.model)
