@@ -32,7 +32,7 @@ from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import ProfileError
 from dyncp.data.readers import DatasetError, describe, load_lengths, resolve_dataset
 from dyncp.observability import Exporter, Metrics
-from dyncp.plan import StepPlan, Topology
+from dyncp.plan import Pipeline, PlanError, StepPlan, Topology
 from dyncp.plan.menu import menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
 from dyncp.sim.options import DEFAULT_MAX_LENGTH, OneLineParser, build_parser
@@ -142,6 +142,22 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
     return tuple(topology.group_sizes)
 
 
+def _pipeline(parser: OneLineParser, args: object) -> Pipeline | None:
+    """``--pp``/``--vpp`` as a Pipeline (None without ``--pp``); what cannot run with a pipeline
+    is reported by its flag."""
+    if args.pp is None:
+        if args.vpp != 1:
+            parser.error(f"--vpp {args.vpp} needs --pp (the pipeline stages it interleaves)")
+        return None
+    try:
+        pipeline = Pipeline(args.pp, args.vpp)
+    except PlanError as exc:
+        parser.error(f"--pp {args.pp} --vpp {args.vpp}: {str(exc).removeprefix('[pipeline] ')}")
+    if args.metrics_port is not None:
+        parser.error("--metrics-port with --pp: the metrics do not describe pipelined steps yet")
+    return pipeline
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -183,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ProfileError, ValueError) as exc:
         parser.error(f"--profile {args.profile}: {exc}")
     sizes = _check_machine(parser, args, policies)
+    pipeline = _pipeline(parser, args)
     try:
         planners = {
             name: Planner(
@@ -195,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 head_sizes=args.head_sizes,
                 group_sizes=sizes,
                 timing=args.timing,
+                pipeline=pipeline,
                 **_planner_mode(args.time_limit),
             )
             for name in policies
@@ -286,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "planner": "deterministic" if args.time_limit is None else "wall-clock",
             "time_limit": args.time_limit,
             "timing": args.timing,
+            "pipeline": None if pipeline is None else pipeline.to_dict(),
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),
@@ -296,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         f"world {args.world} ({args.ranks_per_node}/node), capacity {args.capacity}, "
         f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}, "
         f"{args.timing} timing"
+        + (
+            ""
+            if pipeline is None
+            else f", pipelined over {pipeline.stages} stages ({pipeline.schedule}"
+            + (f", {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")
+            + "): step s and gap to LB are the pipelined step's, static and megatron run "
+            "static CP + PP and Megatron-dev-like PP"
+        )
     )
     print(_latency_note(args.time_limit))
     print(format_table(summary))
