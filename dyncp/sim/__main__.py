@@ -6,6 +6,7 @@
     python -m dyncp.sim --metrics-port 9464 --hold      # Prometheus metrics while replaying
     python -m dyncp.sim --plot plots/                    # Gantt charts and step-time plots
     python -m dyncp.sim --timing barrier                 # the wave-barrier price, to compare
+    python -m dyncp.sim --pp 4 [--vpp 2] --plot plots/   # pipelined steps: bubble, pipelined bound
 
 Prints, per policy: mean predicted step seconds, speedup vs static, mean imbalance, gap to the
 lower bound, plan latency p50/p99 and the CP-size mix, all under ``--timing`` (default dataflow:
