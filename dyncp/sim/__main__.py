@@ -19,6 +19,7 @@ training job runs under a wall-clock deadline (docs/guides/determinism.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -90,7 +91,9 @@ def _hold(exporter: Exporter, seconds: float) -> None:
         pass
 
 
-def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> tuple[int, ...]:
+def _check_machine(
+    parser: OneLineParser, args: argparse.Namespace, policies: list[str]
+) -> tuple[int, ...]:
     """The CP-size menu of the machine the flags describe; a flag that does not fit is reported
     by its name and value (the planner's own errors name its arguments, not the flags)."""
     world, per_node = args.world, args.ranks_per_node
@@ -107,11 +110,8 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
         )
         topology = Topology(world, per_node, args.capacity, tuple(sizes))
     except ValueError as exc:
-        shown = (
-            ",".join(map(str, args.group_sizes))
-            if isinstance(args.group_sizes, tuple)
-            else (args.group_sizes)
-        )
+        menu = args.group_sizes
+        shown = ",".join(map(str, menu)) if isinstance(menu, tuple) else menu
         text = str(exc).removeprefix("Topology.group_sizes: ")
         for name, flag in (("world=", "--world "), ("ranks_per_node=", "--ranks-per-node ")):
             text = text.replace(name, flag)
@@ -135,7 +135,7 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
     if args.max_length > longest:
         where = "--max-length" if chosen else "the default --max-length"
         parser.error(
-            f"{where} {args.max_length} exceeds the longest document {longest} tokens a group "
+            f"{where} {args.max_length} exceeds {longest} tokens, the longest document a group "
             f"holds at --world {world} and --capacity {args.capacity}: give --max-length "
             f"{longest} or less (longer documents then follow --overlong {args.overlong}; "
             f"split keeps every token), or raise --capacity"
@@ -143,7 +143,7 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
     return tuple(topology.group_sizes)
 
 
-def _pipeline(parser: OneLineParser, args: object) -> Pipeline | None:
+def _pipeline(parser: OneLineParser, args: argparse.Namespace) -> Pipeline | None:
     """``--pp``/``--vpp`` as a Pipeline (None without ``--pp``); what cannot run with a pipeline
     is reported by its flag."""
     if args.pp is None:
