@@ -6,6 +6,7 @@
     python -m dyncp.sim --metrics-port 9464 --hold      # Prometheus metrics while replaying
     python -m dyncp.sim --plot plots/                    # Gantt charts and step-time plots
     python -m dyncp.sim --timing barrier                 # the wave-barrier price, to compare
+    python -m dyncp.sim --pp 4 [--vpp 2] --plot plots/   # pipelined steps: bubble, pipelined bound
 
 Prints, per policy: mean predicted step seconds, speedup vs static, mean imbalance, gap to the
 lower bound, plan latency p50/p99 and the CP-size mix, all under ``--timing`` (default dataflow:
@@ -18,6 +19,7 @@ training job runs under a wall-clock deadline (docs/guides/determinism.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -32,7 +34,7 @@ from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import ProfileError
 from dyncp.data.readers import DatasetError, describe, load_lengths, resolve_dataset
 from dyncp.observability import Exporter, Metrics
-from dyncp.plan import StepPlan, Topology
+from dyncp.plan import Pipeline, PlanError, StepPlan, Topology
 from dyncp.plan.menu import menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
 from dyncp.sim.options import DEFAULT_MAX_LENGTH, OneLineParser, build_parser
@@ -89,7 +91,9 @@ def _hold(exporter: Exporter, seconds: float) -> None:
         pass
 
 
-def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> tuple[int, ...]:
+def _check_machine(
+    parser: OneLineParser, args: argparse.Namespace, policies: list[str]
+) -> tuple[int, ...]:
     """The CP-size menu of the machine the flags describe; a flag that does not fit is reported
     by its name and value (the planner's own errors name its arguments, not the flags)."""
     world, per_node = args.world, args.ranks_per_node
@@ -106,11 +110,8 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
         )
         topology = Topology(world, per_node, args.capacity, tuple(sizes))
     except ValueError as exc:
-        shown = (
-            ",".join(map(str, args.group_sizes))
-            if isinstance(args.group_sizes, tuple)
-            else (args.group_sizes)
-        )
+        menu = args.group_sizes
+        shown = ",".join(map(str, menu)) if isinstance(menu, tuple) else menu
         text = str(exc).removeprefix("Topology.group_sizes: ")
         for name, flag in (("world=", "--world "), ("ranks_per_node=", "--ranks-per-node ")):
             text = text.replace(name, flag)
@@ -134,12 +135,28 @@ def _check_machine(parser: OneLineParser, args: object, policies: list[str]) -> 
     if args.max_length > longest:
         where = "--max-length" if chosen else "the default --max-length"
         parser.error(
-            f"{where} {args.max_length} exceeds the longest document {longest} tokens a group "
+            f"{where} {args.max_length} exceeds {longest} tokens, the longest document a group "
             f"holds at --world {world} and --capacity {args.capacity}: give --max-length "
             f"{longest} or less (longer documents then follow --overlong {args.overlong}; "
             f"split keeps every token), or raise --capacity"
         )
     return tuple(topology.group_sizes)
+
+
+def _pipeline(parser: OneLineParser, args: argparse.Namespace) -> Pipeline | None:
+    """``--pp``/``--vpp`` as a Pipeline (None without ``--pp``); what cannot run with a pipeline
+    is reported by its flag."""
+    if args.pp is None:
+        if args.vpp != 1:
+            parser.error(f"--vpp {args.vpp} needs --pp (the pipeline stages it interleaves)")
+        return None
+    try:
+        pipeline = Pipeline(args.pp, args.vpp)
+    except PlanError as exc:
+        parser.error(f"--pp {args.pp} --vpp {args.vpp}: {str(exc).removeprefix('[pipeline] ')}")
+    if args.metrics_port is not None:
+        parser.error("--metrics-port with --pp: the metrics do not describe pipelined steps yet")
+    return pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ProfileError, ValueError) as exc:
         parser.error(f"--profile {args.profile}: {exc}")
     sizes = _check_machine(parser, args, policies)
+    pipeline = _pipeline(parser, args)
     try:
         planners = {
             name: Planner(
@@ -195,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 head_sizes=args.head_sizes,
                 group_sizes=sizes,
                 timing=args.timing,
+                pipeline=pipeline,
                 **_planner_mode(args.time_limit),
             )
             for name in policies
@@ -286,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "planner": "deterministic" if args.time_limit is None else "wall-clock",
             "time_limit": args.time_limit,
             "timing": args.timing,
+            "pipeline": None if pipeline is None else pipeline.to_dict(),
         },
         "dataset": {**describe(raw), "admission": asdict(admission)},
         "mean_batch_documents": float(sum(len(b) for b in batches) / len(batches)),
@@ -296,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         f"world {args.world} ({args.ranks_per_node}/node), capacity {args.capacity}, "
         f"profile {model.name}, group sizes {list(planners[policies[0]].topology.group_sizes)}, "
         f"{args.timing} timing"
+        + (
+            ""
+            if pipeline is None
+            else f", pipelined over {pipeline.stages} stages ({pipeline.schedule}"
+            + (f", {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")
+            + "): step s and gap to LB are the pipelined step's, static and megatron run "
+            "static CP + PP and Megatron-dev-like PP"
+        )
     )
     print(_latency_note(args.time_limit))
     print(format_table(summary))

@@ -205,6 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
         "between waves, how dyncp's runtime runs a plan) or barrier (every wave ends together, "
         "the price before dataflow execution; kept for one release, for comparison)",
     )
+    pipe = p.add_argument_group("pipeline parallelism")
+    pipe.add_argument(
+        "--pp",
+        type=_positive,
+        default=None,
+        metavar="P",
+        help="pipeline stages: every policy's plans are pipelined over P stages (1F1B; the "
+        "world is each stage's DP x CP ranks), priced with the schedule's bubbles, and "
+        "reported with the pipelined lower bound (default: no pipeline)",
+    )
+    pipe.add_argument(
+        "--vpp",
+        type=_positive,
+        default=1,
+        metavar="V",
+        help="virtual stages per rank with --pp: interleaved 1F1B when V > 1 (default 1)",
+    )
     p.add_argument("--steps", type=_positive, default=20, help="global batches to replay")
     p.add_argument("--seed", type=_seed, default=0, help="(an integer >= 0; default 0)")
     p.add_argument("--json", type=Path, default=None, help="write the full report here")

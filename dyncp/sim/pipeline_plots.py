@@ -50,9 +50,7 @@ def draw_pipeline(ax: Axes, cost: PipelineCost, *, columns: int = MAX_COLUMNS) -
                 ax.barh(row, end - start, left=start, height=0.8, color=colour, edgecolor="white")
                 if slots <= 16 and end - start > 0.02 * cost.step_seconds:
                     text = f"{op.kind}{op.slot}" + (f".{op.chunk}" if op.chunk else "")
-                    ax.text(
-                        (start + end) / 2, row, text, ha="center", va="center", fontsize=6
-                    )
+                    ax.text((start + end) / 2, row, text, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.set_xlim(0, cost.step_seconds * 1.01)
@@ -66,7 +64,7 @@ def pipeline_gantt(costs: Mapping[str, PipelineCost], *, caption: str = "") -> F
 
     names = list(costs)
     rows = sum(c.op_start.shape[0] * min(MAX_COLUMNS, c.op_start.shape[2]) for c in costs.values())
-    fig = Figure(figsize=(12, 1.2 + 0.28 * rows + 0.6 * len(names)), layout="constrained")
+    fig = Figure(figsize=(12, 0.6 + 0.2 * rows + 0.5 * len(names)), layout="constrained")
     axes = np.atleast_1d(fig.subplots(len(names), 1, sharex=True))
     for ax, name in zip(axes, names):
         cost = costs[name]
@@ -78,6 +76,7 @@ def pipeline_gantt(costs: Mapping[str, PipelineCost], *, caption: str = "") -> F
             fontsize=9,
             loc="left",
         )
+    axes[-1].set_xlim(0, 1.01 * max(c.step_seconds for c in costs.values()))  # one time axis
     axes[-1].set_xlabel("predicted seconds (F: forward, light; B: backward, dark; colour: slot)")
     if caption:
         fig.suptitle(caption, fontsize=10)

@@ -16,7 +16,9 @@ import numpy as np
 
 from dyncp.cost_model.evaluate import check_timing, evaluate_plan
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.pipeline_timing import price_pipeline
 from dyncp.plan import StepPlan
+from dyncp.sim.pipeline_plots import pipeline_gantt
 from dyncp.sim.replay import PolicyRun
 from dyncp.sim.timeseries import timeseries_figure
 
@@ -260,6 +262,8 @@ def write_plots(
     """Write ``gantt-<policy>.png`` (step ``step`` of each policy), ``gantt.png`` (all policies on
     one time axis), ``step-seconds.png`` and ``timeseries.png`` (the dashboard's per-step series,
     ``dyncp.sim.timeseries``; ``measured``: policy -> measured step seconds) into ``directory``;
+    pipelined plans get ``pipeline-gantt.png`` (``dyncp.sim.pipeline_plots``) instead of the
+    Gantt charts;
     returns the paths written.
 
     Raises:
@@ -276,9 +280,15 @@ def write_plots(
         fig.savefig(path, dpi=110)
         written.append(path)
 
+    piped = {name: plan for name, plan in plans.items() if plan.pipeline is not None}
+    if piped:  # pipelined plans: their timelines per process, priced as the schedule runs
+        costs = {name: price_pipeline(plan, model) for name, plan in piped.items()}
+        save(pipeline_gantt(costs, caption=f"one pipelined step{suffix}"), "pipeline-gantt.png")
     for name, plan in plans.items():
+        if name in piped:
+            continue
         save(gantt_figure({name: plan}, model, caption=f"{name}{suffix}"), f"gantt-{name}.png")
-    if len(plans) > 1:
+    if len(plans) > 1 and not piped:
         save(gantt_figure(plans, model, caption=f"one step, every policy{suffix}"), "gantt.png")
     save(_step_figure(runs, bounds, caption), "step-seconds.png")
     save(timeseries_figure(runs, bounds, measured=measured, caption=caption), "timeseries.png")

@@ -5,6 +5,7 @@ Nothing here imports torch; a laptop replays a million documents in seconds per 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -204,9 +205,10 @@ class PolicyRun:
     cp_sequences: Counter = field(default_factory=Counter)
     cp_tokens: Counter = field(default_factory=Counter)
     layouts: Counter = field(default_factory=Counter)  # sequences per group layout (head split)
-    multi_cp_share: list[float] = field(
-        default_factory=list
-    )  # per step: share of sequences at CP > 1
+    #: Per step: the share of its sequences that run at CP > 1.
+    multi_cp_share: list[float] = field(default_factory=list)
+    #: Per step, pipelined plans only: the bubble fraction (their balance; no imbalance).
+    bubble: list[float] = field(default_factory=list)
 
 
 def replay(
@@ -231,8 +233,11 @@ def replay(
             st = plan.stats
             run = runs[name]
             run.step_seconds.append(st["predicted_step_seconds"])
-            run.imbalance.append(st["imbalance"])
-            run.efficiency.append(st["efficiency"])
+            # A pipelined plan's balance is its bubble (stats["pipeline"]); it has no imbalance.
+            run.imbalance.append(math.nan if st["imbalance"] is None else st["imbalance"])
+            run.efficiency.append(math.nan if st["efficiency"] is None else st["efficiency"])
+            if isinstance(st.get("pipeline"), dict):
+                run.bubble.append(st["pipeline"]["bubble_fraction"])
             run.gap.append(st["gap_to_lower_bound"])
             run.plan_seconds.append(st["timings"]["plan_seconds"])
             run.waves.append(st["waves"])

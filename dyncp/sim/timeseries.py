@@ -1,8 +1,9 @@
 """The dashboard's main panels as pictures, for a user without Grafana: one PNG of per-step series.
 
 ``python -m dyncp.sim --plot DIR`` writes ``timeseries.png`` beside the Gantt charts: per step and
-policy, the imbalance, the share of sequences that run on a ring (CP > 1), the planner's wall-clock
-latency, and the predicted step seconds with the lower bound (and the synthetic "measured" steps
+policy, the imbalance (a pipelined plan's bubble), the share of sequences that run on a ring
+(CP > 1), the planner's wall-clock latency, and the predicted step seconds with the lower bound
+(and the synthetic "measured" steps
 of ``--measurement-noise``). These are the series the Grafana dashboard draws from the same
 replay's Prometheus metrics (``dashboards/grafana/dyncp.json``: "Step imbalance over time",
 "CP-size mix", "Plan latency quantiles", "Step seconds, predicted vs measured"), drawn straight
@@ -41,15 +42,18 @@ def timeseries_figure(
     steps = np.arange(len(bounds))
     for k, (name, run) in enumerate(runs.items()):
         colour = f"C{k}"
-        ax_i.plot(steps, run.imbalance, marker=".", color=colour, label=name)
+        balance = 100 * np.asarray(run.bubble) if run.bubble else run.imbalance
+        ax_i.plot(steps, balance, marker=".", color=colour, label=name)
         ax_c.plot(steps, 100 * np.asarray(run.multi_cp_share), marker=".", color=colour)
         ax_p.plot(steps, 1e3 * np.asarray(run.plan_seconds), marker=".", color=colour)
         ax_s.plot(steps, run.step_seconds, marker=".", color=colour)
         if measured and measured.get(name):
             ax_s.plot(steps, measured[name], ls="--", color=colour, alpha=0.7)
     ax_s.plot(steps, bounds, color="#555555", lw=2, ls=":", label="lower bound")
+    piped = any(run.bubble for run in runs.values())
+    balance = "pipeline bubble, % of process-seconds" if piped else "imbalance (busiest / mean)"
     titles = (
-        (ax_i, "imbalance (busiest rank / mean rank), predicted", None),
+        (ax_i, f"{balance}, predicted", None),
         (ax_c, "sequences on a ring (CP > 1), % of the step's", None),
         (ax_p, "plan latency, ms (wall clock)", "log"),
         (ax_s, "step seconds: predicted (solid), measured (dashed)", None),
