@@ -79,6 +79,9 @@ class PlanStats(dict[str, Any]):
     #: Pass alignment (``Planner(passes="aligned")``): passes, empty rank-passes and
     #: pass-timed seconds of the plan before and after (``AlignmentReport.as_dict``).
     alignment = _Field[dict[str, Any]]()
+    #: A pipelined plan (``Planner(pipeline=...)``): slots, the pipelined step and its bubble,
+    #: every candidate's price, the pipelined bound (``dyncp.planner.pipeline.PipelineStats``).
+    pipeline = _Field[dict[str, Any]]()
     #: Wall-clock values (seconds of each part of ``plan()``, candidates tried).
     timings = _Field[dict[str, Any]]()
 

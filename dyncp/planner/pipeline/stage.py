@@ -16,7 +16,7 @@ prices, most valuable first, while its time lasts (``PipelineSearch.candidates``
    one's, per sequence; ``CONSTRUCT_SECONDS_PER_SEQUENCE`` before the first) fits before the
    deadline less the order search's ``ORDER_SHARE`` (in deterministic mode always, as the
    stretch rule's and the early levels' candidates only: ``PipelineStage._quick``): on the
-   batches of ``bench/pipeline_planner_bench.py`` they are the largest gain;
+   batches of ``bench/pipeline_bench.py`` they are the largest gain;
 3. the search's plan and those constructions pass-aligned (``dyncp.planner.improvement.
    pass_align``: groups grown into idle ranks and counts rebalanced so that every column runs a
    micro-batch in every pass; read as slots, an aligned plan has no idle column in any slot),
@@ -80,7 +80,7 @@ PIPELINE_SHARE = 0.6
 TOKEN_BUDGETS = (0.5, 0.25)
 #: Share of the stage's time kept for the order search when deciding whether a construction
 #: fits (the constructions change the step by more than reordering does, on the batches of
-#: ``bench/pipeline_planner_bench.py``).
+#: ``bench/pipeline_bench.py``).
 ORDER_SHARE = 0.25
 #: Build seconds per sequence of a construction before one has been measured: 0.29 s for
 #: 2,560 sequences on 512 ranks at half the capacity with a 0.1 s deadline, this project's
