@@ -1,6 +1,6 @@
 """Predicted: dyncp's pipelined plans against Megatron dev's dynamic CP with PP and static CP + PP.
 
-    python bench/pipeline_bench.py            # PP 4, 64 and 512 H100 ranks, both datasets
+    python bench/pipeline_bench.py            # PP 4 and 8, 64 and 512 H100 ranks, both datasets
     python bench/pipeline_bench.py --latency  # plan() wall clock at PP 4, 512 columns
 
 Nothing here is measured but ``--latency``: every step time is a prediction of
@@ -17,8 +17,8 @@ packed perfectly, so a plan needs splitting or smaller packs to reach the 2 x st
 keep the 1F1B bubble under a third). Per dataset, model, columns and schedule (``--virtual``: 1
 for 1F1B, 2 for interleaved), over ``--batches`` batches:
 
-- ``dyncp``: ``Planner(pipeline=Pipeline(4, V))``, deterministic (closed-form bound, no CP-SAT, as
-  ``fsdp_predict``), with the default ``StepBudget``;
+- ``dyncp``: ``Planner(pipeline=Pipeline(P, V))`` (``--stages``: P = 4 and 8), deterministic
+  (closed-form bound, no CP-SAT, as ``fsdp_predict``), with the default ``StepBudget``;
 - ``megatron-pp``: ``dyncp.planner.baselines.pipeline.megatron_pp_plan`` (every micro-batch over
   all ranks, powers of two, its order, the count aligned as Megatron dev's
   ``align_sample_id_groups``);
@@ -60,7 +60,6 @@ from fsdp_predict import LLAMA3_70B  # noqa: E402
 
 RANKS_PER_NODE = 8  # DGX H100
 DATASETS = ("wikipedia_flexsp", "wlbllm_distca")
-STAGES = 4
 
 
 def models(src: Path) -> list[tuple[str, CostModel]]:
@@ -82,7 +81,9 @@ def steps(args: argparse.Namespace, dataset: str, world: int) -> list[np.ndarray
     )
 
 
-def planner(model: CostModel, world: int, args: argparse.Namespace, virtual: int, **kw) -> Planner:
+def planner(
+    model: CostModel, world: int, args: argparse.Namespace, stages: int, virtual: int, **kw
+) -> Planner:
     return Planner(
         model,
         world=world,
@@ -90,7 +91,7 @@ def planner(model: CostModel, world: int, args: argparse.Namespace, virtual: int
         capacity=args.capacity,
         max_length=args.max_length,
         bound="simple",
-        pipeline=Pipeline(STAGES, virtual),
+        pipeline=Pipeline(stages, virtual),
         budget=StepBudget(),
         **kw,
     )
@@ -98,7 +99,7 @@ def planner(model: CostModel, world: int, args: argparse.Namespace, virtual: int
 
 def compare(args: argparse.Namespace) -> None:
     print(
-        f"{'dataset':17} {'model':5} {'cols':>4} {'V':>1} {'dyncp s':>8} {'mega s':>8} "
+        f"{'dataset':17} {'model':5} {'cols':>4} {'P':>1} {'V':>1} {'dyncp s':>8} {'mega s':>8} "
         f"{'static s':>8} {'mega/dyn':>8} {'stat/dyn':>8} {'verl/dyn':>8} {'bubble':>6} "
         f"{'slots':>5} {'gap':>6}"
     )
@@ -106,9 +107,11 @@ def compare(args: argparse.Namespace) -> None:
         for world in args.worlds:
             batches = steps(args, dataset, world)
             for name, model in models(args.src):
-                for virtual in args.virtual:
-                    pipeline = Pipeline(STAGES, virtual)
-                    plans = planner(model, world, args, virtual, deterministic=True, cpsat=None)
+                for stages, virtual in [(p, v) for p in args.stages for v in args.virtual]:
+                    pipeline = Pipeline(stages, virtual)
+                    plans = planner(
+                        model, world, args, stages, virtual, deterministic=True, cpsat=None
+                    )
                     cp = static_cp_size(args.max_length, plans.topology)
                     rows = []
                     for lengths in batches:
@@ -131,7 +134,8 @@ def compare(args: argparse.Namespace) -> None:
                         )
                     a = np.asarray(rows, dtype=np.float64)
                     print(
-                        f"{dataset:17} {name:5} {world:4d} {virtual:1d} {a[:, 0].mean():8.3f} "
+                        f"{dataset:17} {name:5} {world:4d} {stages:1d} {virtual:1d} "
+                        f"{a[:, 0].mean():8.3f} "
                         f"{a[:, 1].mean():8.3f} {a[:, 2].mean():8.3f} "
                         f"{(a[:, 1] / a[:, 0]).mean():8.3f} {(a[:, 2] / a[:, 0]).mean():8.3f} "
                         f"{(a[:, 6] / a[:, 0]).mean():8.3f} "
@@ -144,14 +148,14 @@ def latency(args: argparse.Namespace) -> None:
     _, model = models(args.src)[0]
     for dataset in DATASETS:
         for virtual in args.virtual:
-            plans = planner(model, args.latency_world, args, virtual)
+            plans = planner(model, args.latency_world, args, 4, virtual)
             spent, given, ratio = [], [], []
             for lengths in steps(args, dataset, args.latency_world):
                 t0 = time.perf_counter()
                 plan = plans.plan(lengths)
                 spent.append(time.perf_counter() - t0)
                 given.append(plan.stats["budget"]["seconds"])
-                mega = megatron_pp_plan(lengths, plans.topology, Pipeline(STAGES, virtual))
+                mega = megatron_pp_plan(lengths, plans.topology, Pipeline(4, virtual))
                 ratio.append(
                     price_pipeline(mega, model).step_seconds / plan.stats.predicted_step_seconds
                 )
@@ -167,7 +171,8 @@ def latency(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--src", type=Path, default=Path("../shared/reference/h100-distca"))
-    parser.add_argument("--datasets", default="/work/shared/datasets")
+    parser.add_argument("--datasets", default="../shared/datasets")
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--worlds", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--capacity", type=int, default=8192, help="tokens a rank a micro-batch")
@@ -178,9 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency", action="store_true", help="time plan() instead (docstring)")
     parser.add_argument("--latency-world", type=int, default=512)
     args = parser.parse_args(argv)
-    print(
-        "python bench/pipeline_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    )
+    print("python bench/pipeline_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     (latency if args.latency else compare)(args)
 
 
