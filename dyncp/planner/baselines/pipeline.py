@@ -28,7 +28,7 @@ from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.planner.baselines.static import fixed_cp_plan
 from dyncp.planner.batch import Batch
 from dyncp.planner.construction.packing import place_waves
-from dyncp.planner.pipeline.slots import split_to, to_slots
+from dyncp.planner.pipeline.slots import split_to, to_slots, with_waves
 
 __all__ = [
     "PIPELINE_BASELINES",
@@ -121,14 +121,7 @@ def align_groups(plan: StepPlan, multiple: int) -> StepPlan:
             remainder -= 1
             misses = 0
         i -= 1
-    return StepPlan(
-        plan.topology,
-        plan.lengths,
-        tuple(waves),
-        policy=plan.policy,
-        sample_ids=plan.sample_ids,
-        pipeline=plan.pipeline,
-    )
+    return with_waves(plan, tuple(waves))
 
 
 def megatron_pp_from(plan: StepPlan, pipeline: Pipeline) -> StepPlan:

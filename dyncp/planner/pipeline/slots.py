@@ -43,14 +43,7 @@ def to_slots(plan: StepPlan, pipeline: Pipeline) -> StepPlan:
                 if p < len(g.microbatches)
             )
             waves.append(Wave(groups))
-    return StepPlan(
-        plan.topology,
-        plan.lengths,
-        tuple(waves),
-        policy=plan.policy,
-        sample_ids=plan.sample_ids,
-        pipeline=pipeline,
-    )
+    return with_waves(plan, tuple(waves), pipeline=pipeline)
 
 
 def repack(plan: StepPlan, capacity: int) -> StepPlan:
@@ -73,8 +66,21 @@ def repack(plan: StepPlan, capacity: int) -> StepPlan:
                 Group(g.start, g.size, tuple(MicroBatch(tuple(sorted(p))) for p in packs), g.heads)
             )
         waves.append(Wave(tuple(groups)))
+    return with_waves(plan, tuple(waves), pipeline=None)
+
+
+def with_waves(
+    plan: StepPlan, waves: tuple[Wave, ...], *, pipeline: Pipeline | None | str = "same"
+) -> StepPlan:
+    """``plan``'s batch, topology, policy and sample ids with other ``waves`` (no stats: they
+    describe the old waves); ``pipeline``: the new plan's (default: ``plan``'s)."""
     return StepPlan(
-        plan.topology, plan.lengths, tuple(waves), policy=plan.policy, sample_ids=plan.sample_ids
+        plan.topology,
+        plan.lengths,
+        waves,
+        policy=plan.policy,
+        sample_ids=plan.sample_ids,
+        pipeline=plan.pipeline if pipeline == "same" else pipeline,
     )
 
 
@@ -84,14 +90,7 @@ def with_order(plan: StepPlan, order: list[int] | tuple[int, ...]) -> StepPlan:
         raise ValueError(
             f"order must be a permutation of the {len(plan.waves)} slot indices, got {list(order)}"
         )
-    return StepPlan(
-        plan.topology,
-        plan.lengths,
-        tuple(plan.waves[i] for i in order),
-        policy=plan.policy,
-        sample_ids=plan.sample_ids,
-        pipeline=plan.pipeline,
-    )
+    return with_waves(plan, tuple(plan.waves[i] for i in order))
 
 
 def slot_seconds(plan: StepPlan, model: CostModel) -> np.ndarray:
@@ -198,11 +197,4 @@ def split_to(plan: StepPlan, slots: int, model: CostModel, *, partial: bool = Fa
                 f"cannot reach {slots} slots: {len(waves)} slots whose micro-batches are all "
                 "single sequences (the batch has too few sequences to split)"
             )
-    return StepPlan(
-        plan.topology,
-        plan.lengths,
-        tuple(waves),
-        policy=plan.policy,
-        sample_ids=plan.sample_ids,
-        pipeline=plan.pipeline,
-    )
+    return with_waves(plan, tuple(waves))
