@@ -21,6 +21,7 @@ from dyncp.planner.pipeline.search import PipelineCandidate, PipelineChoice, Pip
 from dyncp.planner.pipeline.slots import (
     repack,
     slot_seconds,
+    split_steps,
     split_to,
     target_slots,
     to_slots,
@@ -40,6 +41,7 @@ __all__ = [
     "ends_small_order",
     "repack",
     "slot_seconds",
+    "split_steps",
     "split_to",
     "target_slots",
     "to_slots",

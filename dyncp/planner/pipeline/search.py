@@ -36,7 +36,14 @@ from dyncp.planner.pipeline.order import (
     OrderSearch,
     ends_small_order,
 )
-from dyncp.planner.pipeline.slots import slot_seconds, split_to, target_slots, to_slots, with_order
+from dyncp.planner.pipeline.slots import (
+    slot_seconds,
+    split_steps,
+    target_slots,
+    to_slots,
+    with_order,
+    with_waves,
+)
 
 __all__ = ["COUNT_FACTORS", "PipelineCandidate", "PipelineChoice", "PipelineSearch", "slotted"]
 
@@ -77,10 +84,11 @@ def slotted(plan: StepPlan, pipeline: Pipeline, model: CostModel, factor: int) -
     m, k = len(slots.waves), pipeline.slot_multiple()
     least = -(-m // k) * k
     want = max(factor * target_slots(m, pipeline), least)
-    most = len(split_to(slots, want, model, partial=True).waves)
+    steps = split_steps(slots, want, model)  # one split, read at two counts
+    most = len(steps[-1])
     if most < least:
         return None
-    return split_to(slots, most - most % k, model)
+    return with_waves(slots, steps[most - most % k - m])
 
 
 class PipelineSearch:

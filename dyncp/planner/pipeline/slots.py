@@ -27,7 +27,15 @@ from dyncp.plan import Group, MicroBatch, Pipeline, StepPlan, Wave, padded_lengt
 from dyncp.plan.passes import pass_schedule
 from dyncp.planner.construction.packing import pack_ffd
 
-__all__ = ["repack", "to_slots", "slot_seconds", "split_to", "target_slots", "with_order"]
+__all__ = [
+    "repack",
+    "to_slots",
+    "slot_seconds",
+    "split_steps",
+    "split_to",
+    "target_slots",
+    "with_order",
+]
 
 
 def to_slots(plan: StepPlan, pipeline: Pipeline) -> StepPlan:
@@ -128,30 +136,48 @@ def target_slots(slots: int, pipeline: Pipeline) -> int:
     return -(-want // k) * k
 
 
-def _halves(group: Group, lengths: np.ndarray, model: CostModel) -> tuple[Group, Group] | None:
+class _AloneSeconds:
+    """Each sequence's seconds alone at a group's (CP size, head split), priced for the whole
+    batch once per layout on first use: one vectorised cost-model call per layout instead of
+    one per group halved (the split of a 512-column plan halves thousands of groups)."""
+
+    def __init__(self, lengths: np.ndarray, model: CostModel) -> None:
+        self.lengths, self.model = lengths, model
+        self.tables: dict[tuple[int, int], np.ndarray] = {}
+
+    def of(self, group: Group, ids: tuple[int, ...]) -> list[float]:
+        key = (group.size, group.heads)
+        table = self.tables.get(key)
+        if table is None:
+            table = self.model.alone_seconds(group.size, self.lengths, heads=group.heads)
+            self.tables[key] = table
+        return table[list(ids)].tolist()
+
+
+def _halves(group: Group, alone: _AloneSeconds) -> tuple[Group, Group] | None:
     """``group``'s one micro-batch split in two of nearly equal seconds, or None (one sequence)."""
     ids = group.microbatches[0].seq_ids
     if len(ids) < 2:
         return None
-    alone = model.alone_seconds(group.size, lengths[list(ids)], heads=group.heads)
-    order = sorted(range(len(ids)), key=lambda k: (-float(alone[k]), ids[k]))
+    seconds = alone.of(group, ids)
+    order = sorted(range(len(ids)), key=lambda k: (-seconds[k], ids[k]))
     parts: tuple[list[int], list[int]] = ([], [])
     load = [0.0, 0.0]
     for k in order:
         side = 0 if load[0] <= load[1] else 1
         parts[side].append(ids[k])
-        load[side] += float(alone[k])
+        load[side] += seconds[k]
     return tuple(  # type: ignore[return-value]
         Group(group.start, group.size, (MicroBatch(tuple(sorted(p))),), group.heads) for p in parts
     )
 
 
-def _split_slot(wave: Wave, lengths: np.ndarray, model: CostModel) -> tuple[Wave, Wave] | None:
+def _split_slot(wave: Wave, alone: _AloneSeconds) -> tuple[Wave, Wave] | None:
     """``wave`` (a slot) as two slots, each splittable group's micro-batch halved; None when
     none can be."""
     first, second = [], []
     for g in wave.groups:
-        halves = _halves(g, lengths, model)
+        halves = _halves(g, alone)
         if halves is None:
             first.append(g)
         else:
@@ -160,6 +186,40 @@ def _split_slot(wave: Wave, lengths: np.ndarray, model: CostModel) -> tuple[Wave
     if not second:
         return None
     return Wave(tuple(first)), Wave(tuple(second))
+
+
+def split_steps(plan: StepPlan, slots: int, model: CostModel) -> list[tuple[Wave, ...]]:
+    """The waves of ``plan`` (pipelined) after each split of :func:`split_to` on the way to
+    ``slots`` slots: entry ``i`` holds ``len(plan.waves) + i`` slots (each split adds one). It
+    ends early where no slot can be split any more. A caller that wants several counts of the
+    same split (``search.slotted``: as far as it goes, then aligned down) splits once."""
+    if plan.pipeline is None:
+        raise ValueError("split_to needs a pipelined plan (to_slots first)")
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
+    alone = _AloneSeconds(lengths, model)
+    waves = list(plan.waves)
+    steps = [tuple(waves)]
+    seconds = list(slot_seconds(plan, model))
+    # ids of waves that cannot be split: unique, as ``steps`` keeps every wave made alive (an
+    # id reused by a new wave after the old one was freed would block it by mistake)
+    blocked: set[int] = set()
+    while len(waves) < slots:
+        candidates = [w for w in range(len(waves)) if id(waves[w]) not in blocked]
+        done = False
+        for w in sorted(candidates, key=lambda w: (-seconds[w], w)):
+            pair = _split_slot(waves[w], alone)
+            if pair is None:
+                blocked.add(id(waves[w]))
+                continue
+            waves[w : w + 1] = list(pair)
+            part = StepPlan(plan.topology, plan.lengths, pair, pipeline=None)
+            seconds[w : w + 1] = list(slot_seconds(part, model))
+            done = True
+            break
+        if not done:
+            break
+        steps.append(tuple(waves))
+    return steps
 
 
 def split_to(plan: StepPlan, slots: int, model: CostModel, *, partial: bool = False) -> StepPlan:
@@ -171,30 +231,10 @@ def split_to(plan: StepPlan, slots: int, model: CostModel, *, partial: bool = Fa
         ValueError: no slot can be split any more (every micro-batch one sequence) before
             ``slots`` is reached (unless ``partial``).
     """
-    if plan.pipeline is None:
-        raise ValueError("split_to needs a pipelined plan (to_slots first)")
-    lengths = np.asarray(plan.lengths, dtype=np.int64)
-    waves = list(plan.waves)
-    seconds = list(slot_seconds(plan, model))
-    blocked: set[int] = set()  # ids of waves that cannot be split
-    while len(waves) < slots:
-        candidates = [w for w in range(len(waves)) if id(waves[w]) not in blocked]
-        done = False
-        for w in sorted(candidates, key=lambda w: (-seconds[w], w)):
-            pair = _split_slot(waves[w], lengths, model)
-            if pair is None:
-                blocked.add(id(waves[w]))
-                continue
-            waves[w : w + 1] = list(pair)
-            part = StepPlan(plan.topology, plan.lengths, pair, pipeline=None)
-            seconds[w : w + 1] = list(slot_seconds(part, model))
-            done = True
-            break
-        if not done:
-            if partial:
-                break
-            raise ValueError(
-                f"cannot reach {slots} slots: {len(waves)} slots whose micro-batches are all "
-                "single sequences (the batch has too few sequences to split)"
-            )
-    return with_waves(plan, tuple(waves))
+    waves = split_steps(plan, slots, model)[-1]
+    if len(waves) < slots and not partial:
+        raise ValueError(
+            f"cannot reach {slots} slots: {len(waves)} slots whose micro-batches are all "
+            "single sequences (the batch has too few sequences to split)"
+        )
+    return with_waves(plan, waves)

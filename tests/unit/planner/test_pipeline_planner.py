@@ -28,6 +28,7 @@ from dyncp.planner.pipeline import (
     ends_small_order,
     repack,
     slot_seconds,
+    split_steps,
     split_to,
     to_slots,
     with_order,
@@ -106,6 +107,20 @@ def test_split_to_reaches_the_count_and_keeps_every_sequence(seed):
     assert len(split.waves) == want
     split.validate()
     assert_exactly_once(split, len(lengths))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_to_any_count_is_the_same_split_stopped_there(seed):
+    # Each split depends only on the ones before it, so the plan split to n slots is the one
+    # split further, stopped at n: what lets ``slotted`` split once and read two counts. (An
+    # unsplittable slot recognised by an id Python reused for a new slot broke this.)
+    lengths = batch(seed)
+    slots = to_slots(fixed_cp_plan(lengths, TOPO, model(), cp_of(lengths)), Pipeline(4, 1))
+    m = len(slots.waves)
+    steps = split_steps(slots, m + 12, model())
+    assert [len(s) for s in steps] == list(range(m, m + len(steps)))
+    for n in range(m, m + len(steps)):
+        assert split_to(slots, n, model(), partial=True).waves == steps[n - m]
 
 
 def test_split_to_names_a_batch_too_small_to_split():
