@@ -47,43 +47,9 @@ from dyncp.planner import Planner
 from dyncp.sim.replay import admit, draw_batches
 
 
-def _worker(rank: int, world: int, plans: list[str], columns: int, layers: int) -> list | None:
-    import torch
-    import torch.distributed as dist
-
-    from dyncp.runtime import Activation, PipelineGroups, PipelineLayout, execute_pipeline
-    from dyncp.runtime.pipeline_measure import gather_pipeline_reports, pipeline_measurement
-    from dyncp.testing import TinyDecoder, tiny_chunks
-
-    cfg = tiny_config(layers)
-    groups = PipelineGroups(PipelineLayout(stages=2, columns=columns), timeout=120.0)
-    torch.manual_seed(0)
-    model = TinyDecoder(cfg)
-    out = []
-    for step, plan_json in enumerate(plans):
-        plan = StepPlan.from_json(plan_json)
-        gen = torch.Generator().manual_seed(step)
-        tokens = [torch.randint(0, cfg.vocab, (s,), generator=gen) for s in plan.lengths]
-        chunks = tiny_chunks(
-            model,
-            plan.pipeline,
-            groups.stage,
-            lambda ctx, tokens=tokens: torch.cat([tokens[i] for i in ctx.seq_ids]),
-        )
-        model.zero_grad(set_to_none=True)
-        dist.barrier(group=groups.control_group)
-        report = execute_pipeline(plan, groups, chunks, activation=Activation(hidden=cfg.dim))
-        reports = gather_pipeline_reports(report, groups)
-        if reports is not None:
-            out.append(pipeline_measurement(plan, reports, activation_bytes_per_token=cfg.dim * 4))
-    return out if rank == 0 else None
-
-
-def tiny_config(layers: int):
+def tiny_config(layers: int) -> dict:
     """The shape of the ``cpu-gloo`` profile's model, with ``layers`` layers."""
-    from dyncp.testing import TinyConfig
-
-    return TinyConfig(vocab=256, dim=64, heads=4, kv_heads=2, layers=layers, ffn=128)
+    return {"vocab": 256, "dim": 64, "heads": 4, "kv_heads": 2, "layers": layers, "ffn": 128}
 
 
 def make_plans(args: argparse.Namespace) -> list[StepPlan]:
@@ -107,6 +73,7 @@ def make_plans(args: argparse.Namespace) -> list[StepPlan]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dyncp.testing import measured_steps
     from dyncp.testing.distributed import run_gloo
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -130,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     world = 2 * args.columns
     load0 = os.getloadavg()[0]
     measured = run_gloo(
-        _worker,
+        measured_steps,
         world=world,
-        args=([p.to_json() for p in plans], args.columns, args.layers),
+        args=([p.to_json() for p in plans], args.columns, tiny_config(args.layers)),
         timeout=900,
         pg_timeout=120.0,
-    )[0][args.warmup :]
+    )[0][0][args.warmup :]
     plans = plans[args.warmup :]
     load1 = os.getloadavg()[0]
     profile = load_profile("cpu-gloo")

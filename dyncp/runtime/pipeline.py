@@ -160,7 +160,9 @@ class OpTiming:
 
     ``ready``: when its input had arrived (its receive returned; ``start`` where it receives
     nothing), so ``end - ready`` is the operation's compute (its rings included) and
-    ``ready - start`` the wait for its input (``dyncp.runtime.pipeline_measure``).
+    ``ready - start`` the wait for its input; ``sent``: when its output was posted to the next
+    stage, read just before posting (``end`` where it sends nothing), so a receiver's ``ready``
+    is later on the machine's one clock (``dyncp.runtime.pipeline_measure``).
     """
 
     kind: str
@@ -170,6 +172,7 @@ class OpTiming:
     start: float
     end: float
     ready: float
+    sent: float
 
     @property
     def seconds(self) -> float:
@@ -288,6 +291,7 @@ def execute_pipeline(
             continue  # idle in this slot: no compute, no message (the column is idle everywhere)
         t0, started = time.perf_counter(), time.monotonic()
         try:
+            run.posted = None
             ready = run.operation(op, group, report.losses, synchronize)
             if synchronize is not None:
                 synchronize()
@@ -304,6 +308,7 @@ def execute_pipeline(
                 t0 - call_start,
                 t1 - call_start,
                 (t0 if ready is None else ready) - call_start,
+                (t1 if run.posted is None else run.posted) - call_start,
             )
         )
     started = time.monotonic()
@@ -340,6 +345,7 @@ class _StageRun:
         self._contexts: dict[int, MicroBatchContext] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.sends: list[dist.Work] = []
+        self.posted: float | None = None  # when the current operation posted its send
 
     def group_of(self, slot: int) -> Group | None:
         return self._groups[slot]
@@ -387,6 +393,7 @@ class _StageRun:
         peer = self.groups.layout.rank(hop.peer_stage, self.column)
         group = self.groups.channel(hop.channel)
         op = dist.P2POp(dist.isend, tensor.detach().contiguous(), peer, group)
+        self.posted = time.perf_counter()
         self.sends.extend(dist.batch_isend_irecv([op]))
 
     def operation(

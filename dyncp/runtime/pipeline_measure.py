@@ -15,8 +15,9 @@ reason given:
 - the step is the grid's wall clock, first operation to last completed send
   (``time.perf_counter`` is one monotonic clock for every process of a machine; across
   machines, clocks are not compared and the longest process's own span is taken instead);
-- a hand-off's transfer is ``ready - the sender's end`` where the receiver was already waiting
-  when the sender finished (otherwise the message may have sat there: no reading).
+- a hand-off's transfer is ``ready - the sender's post`` (``OpTiming.sent``) where the receiver
+  was already waiting when the send was posted (otherwise the message may have sat there: no
+  reading).
 
 :func:`pipeline_measurement` returns a torch-free
 :class:`~dyncp.cost_model.calibration.pipeline.PipelineStepMeasurement`, which
@@ -133,7 +134,7 @@ def _hops(
     ops: dict[tuple[str, int, int, int], tuple[PipelineReport, OpTiming]],
     bytes_per_token: float,
 ) -> tuple[HopMeasurement, ...]:
-    """The hand-offs whose receiver was waiting when the sender ended (module docstring)."""
+    """The hand-offs whose receiver was waiting when the send was posted (module docstring)."""
     nq = plan.pipeline.model_stages  # type: ignore[union-attr]
     out = []
     for j, wave in enumerate(plan.waves):
@@ -146,7 +147,7 @@ def _hops(
                 ]:
                     rep, op = ops[(kind, j, q, c)]
                     src, sent = ops[(kind, j, sender, c)]
-                    sent_at = src.origin + sent.end
+                    sent_at = src.origin + sent.sent
                     if rep.origin + op.start < sent_at < rep.origin + op.ready:
                         out.append(HopMeasurement(float(size), rep.origin + op.ready - sent_at))
     return tuple(out)

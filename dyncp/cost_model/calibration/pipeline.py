@@ -16,8 +16,8 @@ therefore needs no new model and no free constant:
    fitted constant / ``Q`` and prices each operation sum as the fit does (exact: the fit's
    ``T_fit = rest + Q C`` is the pricing's ``T + (Q - 1) C`` with ``T = rest + C``);
 3. the stage-to-stage transfer on this machine is measured too, not taken from the ring's
-   link: a hand-off whose receiver was already waiting when its sender finished took
-   ``ready - sender's end`` (one monotonic clock on a machine), and
+   link: a hand-off whose receiver was already waiting when its send was posted took
+   ``ready - posted`` (one monotonic clock on a machine), and
    :func:`fit_p2p` fits ``latency + bytes / bandwidth`` to those (robust, soft-L1).
 
 The cut between forward and backward and between stages is the pricing's (its stated

@@ -62,7 +62,14 @@ def _reports(plan: StepPlan, model: CostModel) -> tuple[list[PipelineReport], ob
                 waited = min(free, ready)
                 rep.ops.append(
                     OpTiming(
-                        op.kind, op.slot, op.chunk, group.size, waited + off, end + off, ready + off
+                        op.kind,
+                        op.slot,
+                        op.chunk,
+                        group.size,
+                        waited + off,
+                        end + off,
+                        ready + off,
+                        end + off,
                     )  # fmt: skip
                 )
                 free = end
