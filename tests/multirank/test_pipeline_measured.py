@@ -4,8 +4,9 @@ The real planner plans batches under a profile 20x too fast (``scaled_profile(cp
 ``execute_pipeline`` runs them with the profile's tiny decoder in fp32; ``pipeline_measurement``
 reads the gathered timelines; ``calibrate_pipeline`` refits on the even steps and is judged on
 the odd ones. Asserted: the measurements describe exactly the plans' groups and operations
-(structure, causality of every hand-off on the machine's one clock), and calibration cuts the
-held-out step error at least in half. No wall-clock figure is asserted: the 20x start is wrong
+(structure, causality of every hand-off on the machine's one clock), and calibration brings the
+held-out steps from 10x off or worse to within 2.2x on average (log error; the figures are
+``bench/pipeline_measured.py``'s). No wall-clock figure is asserted: the 20x start is wrong
 on any machine at least as slow as the profile's, and a loaded machine only widens its error.
 """
 
@@ -24,7 +25,7 @@ from dyncp.testing import measured_steps
 from dyncp.testing.distributed import run_gloo
 
 CONFIG = {"vocab": 256, "dim": 64, "heads": 4, "kv_heads": 2, "layers": 2, "ffn": 128}
-WARMUP, STEPS = 1, 6
+WARMUP, STEPS = 1, 8
 
 
 def _plans(profile):
@@ -87,11 +88,20 @@ def test_measured_steps_calibrate_the_pipelined_prediction_on_held_out_steps() -
     cal = calibrate_pipeline(wrong, measured[0::2], model_stages=2, ranks_per_node=2)
     before, after = CostModel(wrong, 2), CostModel(cal.profile, 2)
     held = list(zip(plans, measured))[1::2]
-    err_before = np.mean(
-        [abs(predict_step(p, before).step_seconds / m.step_seconds - 1) for p, m in held]
-    )
-    err_after = np.mean(
-        [abs(predict_step(p, after, cal.p2p).step_seconds / m.step_seconds - 1) for p, m in held]
-    )
-    assert err_before > 0.9, err_before  # 20x too fast
-    assert err_after < err_before / 2, (err_before, err_after)
+
+    def error(model, p2p=None) -> float:  # mean |log(predicted / measured)| of the step
+        return float(
+            np.mean(
+                [
+                    abs(np.log(predict_step(p, model, p2p).step_seconds / m.step_seconds))
+                    for p, m in held
+                ]
+            )  # fmt: skip
+        )
+
+    err_before, err_after = error(before), error(after, cal.p2p)
+    print(f"held-out mean |log(pred/meas)|: before {err_before:.3f}, after {err_after:.3f}")
+    assert err_before > np.log(10), err_before  # 20x too fast: off by 10x at least
+    # a robust margin on a shared machine (load swings between steps): within 2.2x of the
+    # measured step on average where the start is off by 10x or more
+    assert err_after < min(err_before / 3, np.log(2.2)), (err_before, err_after)
