@@ -17,6 +17,12 @@ predicted ones (``price_pipeline``) under the profile as bundled (``before``: it
 prices the hand-offs) and after calibration (``after``:
 ``dyncp.cost_model.calibration.pipeline.calibrate_pipeline``, the ordinary refit on the
 operations summed per micro-batch, plus the hand-off link fitted to the measured hand-offs).
+Two diagnostics say where the error is: ``replay`` prices the step's *measured* operations
+through the pricing's schedule (its dependency graph and the fitted hand-offs): the schedule
+model's own error, without the cost model's; ``speed`` is the calibrated model's compute over
+the measured compute of that step (1 = as predicted): how much the machine's speed moved
+from step to step (the other users' load), which no profile can know in advance.
+
 Held out: the refit sees every other measured step (even ones; ``--holdout tail``: the first
 half) and ``after`` is judged on the others. Alternating is the default because the machine is
 shared: the other engineers' load comes and goes over tens of seconds, and a first-half fit
@@ -33,6 +39,7 @@ Nothing here says anything about a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -41,6 +48,8 @@ import numpy as np
 
 from dyncp.cost_model import CostModel, load_profile
 from dyncp.cost_model.calibration.pipeline import calibrate_pipeline, predict_step
+from dyncp.cost_model.pipeline_schedule import schedule
+from dyncp.cost_model.pipeline_timing import stage_costs
 from dyncp.data.readers import load_lengths
 from dyncp.plan import Pipeline, StepPlan
 from dyncp.planner import Planner
@@ -126,26 +135,38 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'step':>4} {'set':5} {'slots':>5} {'meas ms':>8} {'before':>8} {'after':>8} "
-        f"{'b.meas':>6} {'b.bef':>6} {'b.aft':>6}"
+        f"{'replay':>8} {'speed':>6} {'b.meas':>6} {'b.bef':>6} {'b.aft':>6}"
     )
     rows = []
     for k, (plan, m) in enumerate(zip(plans, measured)):
         pb = predict_step(plan, before)
         pa = predict_step(plan, after, cal.p2p)
-        rows.append((held[k], m.step_seconds, pb.step_seconds, pa.step_seconds, m.bubble_fraction,
-                     pb.bubble_fraction, pa.bubble_fraction))  # fmt: skip
+        costs = stage_costs(plan, after, p2p=cal.p2p)
+        replay = schedule(dataclasses.replace(costs, forward=m.forward, backward=m.backward))
+        speed = (costs.forward.sum() + costs.backward.sum()) / (m.forward.sum() + m.backward.sum())
+        rows.append(
+            (held[k], m.step_seconds, pb.step_seconds, pa.step_seconds, m.bubble_fraction,
+             pb.bubble_fraction, pa.bubble_fraction, replay.step_seconds, speed)
+        )  # fmt: skip
         print(
             f"{k:4d} {'held' if held[k] else 'fit':5} {len(plan.waves):5d} "
             f"{m.step_seconds * 1e3:8.1f} {pb.step_seconds * 1e3:8.1f} "
-            f"{pa.step_seconds * 1e3:8.1f} {m.bubble_fraction:6.3f} {pb.bubble_fraction:6.3f} "
+            f"{pa.step_seconds * 1e3:8.1f} {replay.step_seconds * 1e3:8.1f} {speed:6.2f} "
+            f"{m.bubble_fraction:6.3f} {pb.bubble_fraction:6.3f} "
             f"{pa.bubble_fraction:6.3f}"
         )
     a = np.asarray([r[1:] for r in rows if r[0]])
     err_before, err_after = np.abs(a[:, 1] / a[:, 0] - 1), np.abs(a[:, 2] / a[:, 0] - 1)
+    err_replay = np.abs(a[:, 6] / a[:, 0] - 1)
     print(
         f"held-out steps ({len(a)}): mean |pred/meas - 1| before {err_before.mean():.3f}, after "
         f"{err_after.mean():.3f} (max {err_after.max():.3f}); bubble measured "
         f"{a[:, 3].mean():.3f}, predicted before {a[:, 4].mean():.3f}, after {a[:, 5].mean():.3f}"
+    )
+    print(
+        f"schedule replay of the measured operations: mean |replay/meas - 1| "
+        f"{err_replay.mean():.3f}; speed (predicted / measured compute) over the held-out steps "
+        f"{a[:, 7].min():.2f}..{a[:, 7].max():.2f} (spread {a[:, 7].std() / a[:, 7].mean():.3f})"
     )
 
 
