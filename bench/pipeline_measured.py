@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dyncp.cost_model import CostModel, load_profile
+from dyncp.cost_model import CostModel, Profile, load_profile
 from dyncp.cost_model.calibration.pipeline import calibrate_pipeline, predict_step
 from dyncp.cost_model.pipeline_schedule import schedule
 from dyncp.cost_model.pipeline_timing import stage_costs
@@ -61,12 +61,22 @@ def tiny_config(layers: int) -> dict:
     return {"vocab": 256, "dim": 64, "heads": 4, "kv_heads": 2, "layers": layers, "ffn": 128}
 
 
+def bench_profile(layers: int) -> Profile:
+    """``cpu-gloo``, its model given ``layers`` layers (its times are still those of its 2: the
+    refit learns the rest)."""
+    profile = load_profile("cpu-gloo")
+    if layers == profile.model.num_layers:
+        return profile
+    shape = profile.model.model_copy(update={"num_layers": layers})
+    return profile.model_copy(update={"model": shape})
+
+
 def make_plans(args: argparse.Namespace) -> list[StepPlan]:
     lengths = load_lengths(Path(args.datasets) / f"{args.dataset}.parquet")
     lengths, _ = admit(lengths, args.max_length, "split")
     tokens = int(args.step_tokens * args.columns * args.capacity)
     planner = Planner(
-        CostModel(load_profile("cpu-gloo"), args.columns),
+        CostModel(bench_profile(args.layers), args.columns),
         world=args.columns,
         ranks_per_node=args.columns,
         capacity=args.capacity,
@@ -114,10 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     )[0][0][args.warmup :]
     plans = plans[args.warmup :]
     load1 = os.getloadavg()[0]
-    profile = load_profile("cpu-gloo")
-    if args.layers != profile.model.num_layers:
-        shape = profile.model.model_copy(update={"num_layers": args.layers})
-        profile = profile.model_copy(update={"model": shape})
+    profile = bench_profile(args.layers)
     before = CostModel(profile, args.columns)
     nq = plans[0].pipeline.model_stages
     held = [k % 2 == 1 if args.holdout == "alternate" else k >= args.steps // 2
