@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from planner_helpers import pipelined_plans
 
 from dyncp.cost_model import CostModel, load_profile
 from dyncp.cost_model.calibration.level import scaled_profile
 from dyncp.cost_model.calibration.pipeline import calibrate_pipeline, predict_step
-from dyncp.plan import Pipeline
 from dyncp.plan.pipeline import BACKWARD, FORWARD
-from dyncp.planner import Planner
 from dyncp.testing import measured_steps
 from dyncp.testing.distributed import run_gloo
 
@@ -29,20 +28,8 @@ WARMUP, STEPS = 1, 8
 
 
 def _plans(profile):
-    planner = Planner(
-        CostModel(profile, 2),
-        world=2,
-        ranks_per_node=2,
-        capacity=256,
-        max_length=512,
-        pipeline=Pipeline(2, 1),
-        bound="simple",
-        deterministic=True,
-        cpsat=None,
-    )
-    rng = np.random.default_rng(0)
-    draw = lambda: np.exp(rng.uniform(np.log(8), np.log(512), size=10)).astype(int)  # noqa: E731
-    return [planner.plan([int(x) for x in draw()]) for _ in range(WARMUP + STEPS)]
+    model = CostModel(profile, 2)
+    return pipelined_plans(model, n=WARMUP + STEPS, seed=0, size=10, capacity=256, max_length=512)
 
 
 def _check_structure(plan, m, reports) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from planner_helpers import pipelined_plans
 
 from dyncp.cost_model import CostModel, load_profile
 from dyncp.cost_model.calibration import CalibrationError, Measurement
@@ -18,28 +19,14 @@ from dyncp.cost_model.calibration.pipeline import (
     predict_step,
 )
 from dyncp.cost_model.pipeline_timing import stage_costs
-from dyncp.plan import Pipeline, StepPlan
-from dyncp.planner import Planner
+from dyncp.plan import StepPlan
 
 LINK = (8e-5, 2e8)  # the machine's hand-off: latency, bandwidth
 BYTES = 256.0  # hidden 64 x fp32
 
 
 def _plans(truth: CostModel, n: int, seed: int) -> list[StepPlan]:
-    planner = Planner(
-        truth,
-        world=2,
-        ranks_per_node=2,
-        capacity=512,
-        max_length=1024,
-        pipeline=Pipeline(2, 1),
-        bound="simple",
-        deterministic=True,
-        cpsat=None,
-    )
-    rng = np.random.default_rng(seed)  # log-uniform lengths: CP 1 and CP 2, short and long
-    draw = lambda: np.exp(rng.uniform(np.log(8), np.log(1024), size=24)).astype(int)  # noqa: E731
-    return [planner.plan([int(x) for x in draw()]) for _ in range(n)]
+    return pipelined_plans(truth, n=n, seed=seed, size=24, capacity=512, max_length=1024)
 
 
 def _measured(plan: StepPlan, truth: CostModel) -> PipelineStepMeasurement:
