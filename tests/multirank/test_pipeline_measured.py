@@ -29,7 +29,7 @@ WARMUP, STEPS = 1, 8
 
 def _plans(profile):
     model = CostModel(profile, 2)
-    return pipelined_plans(model, n=WARMUP + STEPS, seed=0, size=10, capacity=256, max_length=512)
+    return pipelined_plans(model, n=WARMUP + STEPS, seed=0, size=8, capacity=256, max_length=512)
 
 
 def _check_structure(plan, m, reports) -> None:
