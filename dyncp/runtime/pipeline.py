@@ -90,9 +90,11 @@ times out (or breaks as the failed process exits) reads the board and raises Ste
 the process that raised, not the neighbour it was waiting for. A neighbour learns within the
 channel's timeout T; a process k hops away within k T in the worst case.
 
-Timings: :class:`PipelineReport` carries each operation's measured ``(start, end)`` on this
-process (``time.perf_counter`` relative to the step's start, after ``synchronize``), to be
-compared with a predicted pipelined timeline.
+Timings: :class:`PipelineReport` carries each operation's measured ``start``, ``ready`` (its
+input arrived), ``sent`` (its output posted) and ``end`` on this process (``time.perf_counter``
+relative to the step's start, after ``synchronize``), and the step's clock origin;
+``dyncp.runtime.pipeline_measure`` reads the grid's reports as what calibration learns from and
+what a predicted pipelined timeline is compared with.
 """
 
 from __future__ import annotations

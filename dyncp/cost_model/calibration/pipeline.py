@@ -92,7 +92,9 @@ class PipelineStepMeasurement:
 def fit_p2p(hops: Sequence[HopMeasurement]) -> tuple[float, float]:
     """``(latency, bandwidth)`` of a hand-off, fitted to ``hops``: ``seconds = latency + bytes /
     bandwidth``, soft-L1 on the relative residual (a descheduled receiver is a straggler, not a
-    slower link), both terms >= 0. Fewer than MIN_HOPS hand-offs: CalibrationError."""
+    slower link), both terms >= 0. Where the bytes explain nothing (transfers so small that
+    latency is all of them) the bandwidth is 1e18 B/s, i.e. not resolved: the fitted latency
+    prices them. Fewer than MIN_HOPS hand-offs: CalibrationError."""
     if len(hops) < MIN_HOPS:
         raise CalibrationError(
             f"{len(hops)} waited-for hand-offs measured; at least {MIN_HOPS} are needed to fit "
