@@ -3,6 +3,9 @@
     python bench/pipeline_bench.py            # PP 4 and 8, 64 and 512 H100 ranks, both datasets
     python bench/pipeline_bench.py --latency  # plan() wall clock at PP 4, 512 columns
 
+Measured against predicted on gloo (PP 2 x DP-CP 2 and 4, 1F1B and interleaved, before and after
+calibration, on held-out steps) is ``bench/pipeline_measured.py``.
+
 Nothing here is measured but ``--latency``: every step time is a prediction of
 ``dyncp.cost_model.pipeline_timing.price_pipeline`` under the H100 reference profiles. Shapes and
 profiles as ``bench/fsdp_predict.py``: the Llama-3-8B-like ``h100-reference`` (bundled) and a
@@ -185,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("python bench/pipeline_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     (latency if args.latency else compare)(args)
+    print(
+        "measured against predicted on gloo, after calibration: python bench/pipeline_measured.py"
+    )
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ SLOW = frozenset(
         "multirank/test_ring_attention.py::test_ring_world_2",
         "multirank/test_ring_attention.py::test_ring_world_4_switches_cp4_two_cp2_rings_cp4",
         "multirank/test_ring_attention.py::test_ring_world_8",
+        "multirank/test_pipeline_measured.py::test_measured_steps_calibrate_the_pipelined_prediction_on_held_out_steps",
         "multirank/test_pipeline_runtime.py::test_a_failing_stage_is_named_by_every_process",
         "multirank/test_pipeline_runtime.py::test_pp2_x_four_columns_1f1b_and_interleaved_equal_one_process",
         "multirank/test_pipeline_runtime.py::test_pp2_x_two_columns_1f1b_and_interleaved_equal_one_process",

@@ -3,8 +3,9 @@
 Modules: ``executor`` (runs a StepPlan's waves), ``group_pool`` (the pre-built communicators),
 ``reduce`` (gradient and loss reduction), ``measure`` (timings for calibration), ``labels``
 (next-token labels of a packed batch), ``pipeline`` (runs a pipelined plan's stages), with
-``pipeline_groups`` (its communicators), ``pipeline_layout`` (its process grid and routing) and
-``pipeline_reduce`` (its gradient and loss reduction).
+``pipeline_groups`` (its communicators), ``pipeline_layout`` (its process grid and routing),
+``pipeline_reduce`` (its gradient and loss reduction) and ``pipeline_measure`` (its timings for
+calibration).
 """
 
 from dyncp.control.job import job_timeout

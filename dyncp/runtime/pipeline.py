@@ -90,9 +90,11 @@ times out (or breaks as the failed process exits) reads the board and raises Ste
 the process that raised, not the neighbour it was waiting for. A neighbour learns within the
 channel's timeout T; a process k hops away within k T in the worst case.
 
-Timings: :class:`PipelineReport` carries each operation's measured ``(start, end)`` on this
-process (``time.perf_counter`` relative to the step's start, after ``synchronize``), to be
-compared with a predicted pipelined timeline.
+Timings: :class:`PipelineReport` carries each operation's measured ``start``, ``ready`` (its
+input arrived), ``sent`` (its output posted) and ``end`` on this process (``time.perf_counter``
+relative to the step's start, after ``synchronize``), and the step's clock origin;
+``dyncp.runtime.pipeline_measure`` reads the grid's reports as what calibration learns from and
+what a predicted pipelined timeline is compared with.
 """
 
 from __future__ import annotations
@@ -156,7 +158,14 @@ class Activation:
 
 @dataclass(frozen=True, slots=True)
 class OpTiming:
-    """One operation as this process ran it: seconds since the step's start (perf_counter)."""
+    """One operation as this process ran it: seconds since the step's start (perf_counter).
+
+    ``ready``: when its input had arrived (its receive returned; ``start`` where it receives
+    nothing), so ``end - ready`` is the operation's compute (its rings included) and
+    ``ready - start`` the wait for its input; ``sent``: when its output was posted to the next
+    stage, read just before posting (``end`` where it sends nothing), so a receiver's ``ready``
+    is later on the machine's one clock (``dyncp.runtime.pipeline_measure``).
+    """
 
     kind: str
     slot: int
@@ -164,10 +173,16 @@ class OpTiming:
     cp: int
     start: float
     end: float
+    ready: float
+    sent: float
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.end - self.ready
 
 
 @dataclass(slots=True)
@@ -180,6 +195,10 @@ class PipelineReport:
         losses: the scaled loss of each micro-batch whose last virtual stage ran here
             (detached; empty on other stages), in operation order.
         step_seconds: the whole call; ``busy_seconds``: in operations (receives included).
+        origin: the step's start on ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock
+            for every process of a machine, so timelines of processes compare there).
+        began: seconds after the start when the first operation could run (after the plan
+            agreement and the checks).
     """
 
     stage: int
@@ -188,6 +207,8 @@ class PipelineReport:
     losses: list[torch.Tensor] = field(default_factory=list)
     step_seconds: float = 0.0
     busy_seconds: float = 0.0
+    origin: float = 0.0
+    began: float = 0.0
 
 
 def execute_pipeline(
@@ -264,14 +285,16 @@ def execute_pipeline(
         groups.orders_checked.add((pipe.virtual, slots))
     scale = loss_scale(plan, labels_per_sequence)
     run = _StageRun(plan, groups, chunks, activation, scale, board, label)
-    report = PipelineReport(stage, column)
+    report = PipelineReport(stage, column, origin=call_start)
+    report.began = time.perf_counter() - call_start
     for op in stage_order(pipe, slots, stage):
         group = run.group_of(op.slot)
         if group is None:
             continue  # idle in this slot: no compute, no message (the column is idle everywhere)
         t0, started = time.perf_counter(), time.monotonic()
         try:
-            run.operation(op, group, report.losses)
+            run.posted = None
+            ready = run.operation(op, group, report.losses, synchronize)
             if synchronize is not None:
                 synchronize()
         except Exception as exc:
@@ -279,7 +302,16 @@ def execute_pipeline(
         t1 = time.perf_counter()
         report.busy_seconds += t1 - t0
         report.ops.append(
-            OpTiming(op.kind, op.slot, op.chunk, group.size, t0 - call_start, t1 - call_start)
+            OpTiming(
+                op.kind,
+                op.slot,
+                op.chunk,
+                group.size,
+                t0 - call_start,
+                t1 - call_start,
+                (t0 if ready is None else ready) - call_start,
+                (t1 if run.posted is None else run.posted) - call_start,
+            )
         )
     started = time.monotonic()
     try:
@@ -315,6 +347,7 @@ class _StageRun:
         self._contexts: dict[int, MicroBatchContext] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.sends: list[dist.Work] = []
+        self.posted: float | None = None  # when the current operation posted its send
 
     def group_of(self, slot: int) -> Group | None:
         return self._groups[slot]
@@ -362,15 +395,29 @@ class _StageRun:
         peer = self.groups.layout.rank(hop.peer_stage, self.column)
         group = self.groups.channel(hop.channel)
         op = dist.P2POp(dist.isend, tensor.detach().contiguous(), peer, group)
+        self.posted = time.perf_counter()
         self.sends.extend(dist.batch_isend_irecv([op]))
 
-    def operation(self, op: PipelineOp, group: Group, losses: list[torch.Tensor]) -> None:
+    def operation(
+        self,
+        op: PipelineOp,
+        group: Group,
+        losses: list[torch.Tensor],
+        synchronize: Callable[[], None] | None = None,
+    ) -> float | None:
+        """Run ``op``; returns when its input arrived (perf_counter; None: it receives none)."""
         ctx = self.context(op.slot, group)
         shape = self.shape(group, ctx)
         recv, send = route(self.plan.pipeline, self.stage, self.column, op)  # type: ignore[arg-type]
         key = (op.slot, op.chunk)
+        received = None if recv is None else self._receive(recv, shape)
+        ready = None
+        if received is not None:
+            if synchronize is not None:
+                synchronize()
+            ready = time.perf_counter()
         if op.kind == FORWARD:
-            x = None if recv is None else self._receive(recv, shape).requires_grad_()
+            x = None if received is None else received.requires_grad_()
             out = self.chunks[op.chunk](x, ctx)
             self._saved[key] = (x, out)
             if send is not None:
@@ -382,16 +429,17 @@ class _StageRun:
                         f"element), got shape {tuple(out.shape)}"
                     )
                 losses.append(out.detach())
-            return
+            return ready
         x, out = self._saved.pop(key)
-        if recv is None:
+        if received is None:
             out.backward()
         else:
-            out.backward(self._receive(recv, shape))
+            out.backward(received)
         if send is not None:
             assert x is not None
             grad = torch.zeros_like(x) if x.grad is None else x.grad
             self._send(send, grad, shape, "gradients")
+        return ready
 
     def fail(self, op: PipelineOp | None, exc: Exception, started: float) -> None:
         """An operation (None: the final wait for sends) raised: report, name, raise."""

@@ -1,6 +1,6 @@
 """Helpers for testing dyncp with real models on CPU (used by the tests and the examples)."""
 
-from dyncp.testing.pipeline_model import TinyChunk, tiny_chunks
+from dyncp.testing.pipeline_model import TinyChunk, measured_steps, tiny_chunks
 from dyncp.testing.tiny_model import (
     LossSum,
     ThroughDDP,
@@ -16,6 +16,7 @@ __all__ = [
     "TinyChunk",
     "TinyConfig",
     "TinyDecoder",
+    "measured_steps",
     "microbatch_loss",
     "tiny_chunks",
     "next_token_labels",

@@ -16,13 +16,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dyncp.plan import Pipeline, stage_layers
-from dyncp.profiling import TinyDecoder
-from dyncp.runtime import IGNORE, MicroBatchContext, next_token_labels
+from dyncp.plan import Pipeline, StepPlan, stage_layers
+from dyncp.profiling import TinyConfig, TinyDecoder
+from dyncp.runtime import (
+    IGNORE,
+    Activation,
+    MicroBatchContext,
+    PipelineGroups,
+    PipelineLayout,
+    execute_pipeline,
+    next_token_labels,
+)
+from dyncp.runtime.pipeline_measure import gather_pipeline_reports, pipeline_measurement
 
-__all__ = ["TinyChunk", "tiny_chunks"]
+__all__ = ["TinyChunk", "measured_steps", "tiny_chunks"]
 
 #: The tokens of a micro-batch, packed in ``ctx.seq_ids`` order and unpadded.
 Tokens = Callable[[MicroBatchContext], torch.Tensor]
@@ -88,3 +98,37 @@ def tiny_chunks(
             )  # fmt: skip
         )
     return chunks
+
+
+def measured_steps(
+    rank: int, world: int, plans: list[str], columns: int, config: dict
+) -> tuple[list, list] | None:
+    """A ``run_gloo`` worker: run each plan (JSON) once on a PP 2 x ``columns`` grid with a fresh
+    ``TinyDecoder(TinyConfig(**config))`` in fp32 (seeded tokens), and return, on grid rank 0,
+    each step's ``PipelineStepMeasurement`` and its gathered reports (None elsewhere)."""
+    cfg = TinyConfig(**config)
+    groups = PipelineGroups(PipelineLayout(stages=2, columns=columns), timeout=120.0)
+    torch.manual_seed(0)
+    model = TinyDecoder(cfg)
+    measured, gathered = [], []
+    for step, plan_json in enumerate(plans):
+        plan = StepPlan.from_json(plan_json)
+        gen = torch.Generator().manual_seed(step)
+        tokens = [torch.randint(0, cfg.vocab, (s,), generator=gen) for s in plan.lengths]
+        chunks = tiny_chunks(
+            model,
+            plan.pipeline,
+            groups.stage,
+            lambda ctx, tokens=tokens: torch.cat([tokens[i] for i in ctx.seq_ids]),
+        )
+        model.zero_grad(set_to_none=True)
+        dist.barrier(group=groups.control_group)
+        report = execute_pipeline(plan, groups, chunks, activation=Activation(hidden=cfg.dim))
+        reports = gather_pipeline_reports(report, groups)
+        if reports is not None:
+            bytes_per_token = cfg.dim * 4  # fp32 hand-offs
+            measured.append(
+                pipeline_measurement(plan, reports, activation_bytes_per_token=bytes_per_token)
+            )
+            gathered.append(reports)
+    return (measured, gathered) if groups.position == 0 else None

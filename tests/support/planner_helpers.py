@@ -36,3 +36,30 @@ def canonical(plan: StepPlan) -> str:
 def assert_exactly_once(plan: StepPlan, n: int) -> None:
     ids = [i for _, _, mb in plan.microbatches() for i in mb.seq_ids]
     assert sorted(ids) == list(range(n))
+
+
+def pipelined_plans(model, *, n: int, seed: int, size: int, capacity: int, max_length: int) -> list:
+    """``n`` plans of the deterministic PP 2 planner on 2 columns under ``model``, each of
+    ``size`` log-uniform lengths in [8, max_length] (CP 1 and CP 2 micro-batches, short and
+    long: what a refit needs to tell the coefficients apart)."""
+    import numpy as np
+
+    from dyncp.plan import Pipeline
+    from dyncp.planner import Planner
+
+    planner = Planner(
+        model,
+        world=2,
+        ranks_per_node=2,
+        capacity=capacity,
+        max_length=max_length,
+        pipeline=Pipeline(2, 1),
+        bound="simple",
+        deterministic=True,
+        cpsat=None,
+    )
+    rng = np.random.default_rng(seed)
+    return [
+        planner.plan([int(x) for x in np.exp(rng.uniform(np.log(8), np.log(max_length), size))])
+        for _ in range(n)
+    ]
