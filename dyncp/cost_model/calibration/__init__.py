@@ -10,7 +10,8 @@ Modules, one line each:
 - ``level``: the robust level of a regime (a uniform rescale);
 - ``change``: change detection (did the machine change, and at which step);
 - ``records``: what travels through the Store (measurement records, model versions);
-- ``online``: OnlineCalibrator, refits while training runs.
+- ``online``: OnlineCalibrator, refits while training runs;
+- ``step_fit``: StepFit, the per-step part outside micro-batches (wall clock minus busy time).
 """
 
 from dyncp.cost_model.calibration.fit import CalibrationResult, fit_profile, prediction_errors
