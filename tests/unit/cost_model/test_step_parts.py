@@ -11,6 +11,7 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, load_profile
 from dyncp.cost_model.sharding import collective_from_profile
 from dyncp.cost_model.step_parts import common_parts, step_parts
+from dyncp.cost_model.step_reference import reference_step_profile
 from dyncp.planner import Planner, PlannerConfig
 
 STEP = {
@@ -46,12 +47,15 @@ def plan(model: CostModel, policy: str, batch: np.ndarray, world: int = 16, capa
     return Planner(model, config).plan(batch)
 
 
-@pytest.mark.parametrize("name", sorted(bundled_profiles()))
+VERSION_1 = sorted(n for n in bundled_profiles() if load_profile(n).schema_version == 1)
+
+
+@pytest.mark.parametrize("name", VERSION_1)
 def test_version_1_profiles_price_exactly_as_before(name: str) -> None:
     """A version-1 profile has no step: its micro-batches price bit for bit as the same profile
     with a step of zeros, its JSON has no ``step``, and its common parts are all zero."""
     old = load_profile(name)
-    assert old.schema_version == 1 and old.step is None
+    assert old.step is None
     assert "step" not in json.loads(old.to_json())
     zero = with_step(
         old,
@@ -156,3 +160,24 @@ def test_plug_in_model_without_profile_is_refused() -> None:
     p = plan(model, "static", lengths(3, 8), world=2)
     with pytest.raises(ValueError, match="needs a cost model built from a profile; object"):
         step_parts(p, object())
+
+
+def test_reference_step_profile_is_regenerated_and_prices_micro_batches_as_its_base() -> None:
+    """The bundled file is what ``python -m dyncp.cost_model.step_reference`` writes, and its
+    micro-batches price bit for bit as h100-reference's (no per-token term is priced twice)."""
+    assert len(VERSION_1) >= 10 and "h100-reference" in VERSION_1
+    bundled = load_profile("h100-reference-step")
+    assert bundled == reference_step_profile()
+    assert bundled.schema_version == 2 and bundled.step is not None
+    names = {a.name for a in bundled.provenance.assumptions}
+    assert {"step.parameters", "step.optimizer_seconds_per_parameter"} <= names
+    a, b = CostModel.load("h100-reference", 8), CostModel(bundled, 8)
+    batch = lengths(4)
+    starts = np.arange(0, len(batch), 5)
+    for cp in (1, 4, 16):
+        np.testing.assert_array_equal(
+            a.packs_seconds(cp, batch, starts), b.packs_seconds(cp, batch, starts)
+        )
+    reduction, optimizer, _ = common_parts(bundled, world=16, ranks_per_node=8)
+    assert optimizer == pytest.approx(8.03e9 * 30 / 3.35e12, rel=0.01)
+    assert reduction > 0
