@@ -8,12 +8,11 @@ import time
 
 import numpy as np
 import pytest
-from test_calibration_runtime import CFG, fast_profile, train_step  # its model, step, profile
+from test_calibration_runtime import CFG, fast_profile, tiny_planner, train_step
 
-from dyncp.cost_model import CostModel
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.step_parts import step_parts
-from dyncp.planner import Planner, VersionedPlanner
+from dyncp.planner import VersionedPlanner
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.whole_step import WholeStepCalibration
 from dyncp.testing import TinyDecoder
@@ -28,15 +27,7 @@ def _worker(rank: int, world: int) -> dict:
     pool = GroupPool()
     profile = fast_profile()
     calib = WholeStepCalibration(pool, profile, ranks_per_node=world)
-    base = Planner(
-        CostModel(profile, world),
-        world=world,
-        ranks_per_node=world,
-        capacity=256,
-        deterministic=True,
-        cpsat=None,
-    )
-    planner = VersionedPlanner(base, calib.current)
+    planner = VersionedPlanner(tiny_planner(profile, world), calib.current)
     model = TinyDecoder(CFG)
     rng = np.random.default_rng(0)
     out: dict = {"versions": [], "before": [], "predicted": []}
