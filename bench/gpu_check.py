@@ -45,6 +45,7 @@ from dyncp.cost_model.fitting import fit_quadratic
 from dyncp.cost_model.model import CostModel
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.cost_model.shapes import DecoderShape, load_shape
+from dyncp.cost_model.step_reference import HBM_BYTES_PER_SECOND, OPTIMIZER_BYTES_PER_PARAMETER
 from dyncp.ring_attention import make_kernel, make_ring_layout, merge_block, zigzag_shard
 from dyncp.ring_attention.block import BlockKernel, BlockSpec, acc_dtype
 from dyncp.ring_attention.sharding import zigzag_unshard
@@ -591,6 +592,29 @@ def _kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Bl
     return out
 
 
+#: Parameters of the buffer AdamW is timed on: on a GPU, large enough to be memory-bound.
+OPTIMIZER_PARAMETERS = {"cuda": 1 << 27, "cpu": 1 << 16}
+
+
+def optimizer_check(device: torch.device, shape: DecoderShape) -> dict:
+    """AdamW's update measured on ``device`` (fp32 parameters, gradients present, moments
+    allocated by a first step): seconds per parameter and the bytes/s it implies at
+    ``OPTIMIZER_BYTES_PER_PARAMETER``, beside the assumption of ``h100-reference-step``."""
+    n = OPTIMIZER_PARAMETERS[device.type]
+    param = torch.nn.Parameter(torch.zeros(n, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    optim = torch.optim.AdamW([param], lr=1e-6)
+    seconds = median_seconds(optim.step, device=device, repeats=5)
+    per_parameter = seconds / n
+    return {
+        "parameters_timed": n,
+        "optimizer_seconds_per_parameter": per_parameter,
+        "implied_bytes_per_second": OPTIMIZER_BYTES_PER_PARAMETER / per_parameter,
+        "assumed_seconds_per_parameter": OPTIMIZER_BYTES_PER_PARAMETER / HBM_BYTES_PER_SECOND,
+        "shape_parameters": shape.gemm_params + shape.hidden_size * shape.vocab_size,
+    }
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -656,6 +680,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['measured'] * 1e3:8.2f} ms, predicted {row['predicted'] * 1e3:8.2f} ms "
               f"({row['error']:+.1%})")  # fmt: skip
     print(f"  MAPE {mape['mape']:.1%}, worst {mape['worst']:.1%}")
+    optimizer = optimizer_check(device, shape)
+    print(f"\n5. AdamW step over {optimizer['parameters_timed']} fp32 parameters: "
+          f"{optimizer['optimizer_seconds_per_parameter']:.3e} s/parameter "
+          f"({optimizer['implied_bytes_per_second'] / 1e12:.3g} TB/s at "
+          f"{OPTIMIZER_BYTES_PER_PARAMETER:.0f} B/parameter; h100-reference-step assumes "
+          f"{optimizer['assumed_seconds_per_parameter']:.3e})")  # fmt: skip
     elapsed = time.perf_counter() - start
     print(f"\ndone in {elapsed:.0f} s")
     ok = all(row["ok"] for row in checks)
@@ -670,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": str(path),
             "profile_figures": figures,
             "mape": mape,
+            "optimizer": optimizer,
             "seconds": elapsed,
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -15,7 +15,12 @@ layer and at the root, and :class:`dyncp.integrations.fsdp.FSDPRunner` runs each
 all-gather and one reduce-scatter per unit however many micro-batches each rank runs. The loss is
 the mean token loss of the global batch (every label token weighted once, whatever the CP size).
 
-Rank 0 prints each step's loss, the CP sizes used and the measured step time; Prometheus metrics
+Rank 0 prints each step's loss, the CP sizes used, the measured step time and the predicted
+whole step, calibrated online by default (``dyncp.runtime.whole_step.WholeStepCalibration``:
+the micro-batches refitted from their measured times, the part outside them -- FSDP2's
+collectives, the optimizer -- from the wall clock minus the busiest rank's busy time; each step
+predicted before it is learnt from; ``--no-calibrate`` keeps the starting profile, to compare);
+it names the profile it started from and, at the end, what calibration changed. Prometheus metrics
 (dyncp's step, balance and CP-size metrics) are recorded every step, served with
 ``--metrics-port``, and a summary of them is printed at the end.
 """
@@ -38,11 +43,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dyncp.cost_model import CostModel
+from dyncp.cost_model.schema import load_profile
 from dyncp.integrations.fsdp import FSDPRunner
 from dyncp.integrations.hf import causal_lm_loss, register_ring_attention
 from dyncp.observability import Metrics
 from dyncp.planner import Planner
 from dyncp.runtime import GroupPool, reduce_loss
+from dyncp.runtime.whole_step import WholeStepCalibration
 from dyncp.sampler import DynamicCPSampler
 
 #: A top-level definition starts a new document (decorators stay with what they decorate).
@@ -119,6 +126,12 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="cost model (default cpu-gloo / h100-reference)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="predict with the starting profile only (default: calibrate online)",
+    )
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -150,7 +163,7 @@ def main() -> None:
         )
 
     planner = Planner(
-        CostModel.load(profile, ranks_per_node=per_node),
+        CostModel(load_profile(profile), ranks_per_node=per_node),
         world=world,
         ranks_per_node=per_node,
         capacity=args.capacity,
@@ -188,6 +201,13 @@ def main() -> None:
     )  # a short linear warm-up: AdamW's first steps on a fresh model are its largest
     pool = GroupPool()
     sync = torch.cuda.synchronize if cuda else None
+    calib = None
+    if args.calibrate:  # the plans stay the sampler's; the predictions follow the measurements
+        calib = WholeStepCalibration(pool, planner.model.profile, ranks_per_node=per_node)
+    if rank == 0:
+        how = "calibrating online (--no-calibrate to compare)" if calib else "not calibrating"
+        source = planner.model.profile.provenance.source
+        print(f"cost model: profile {profile} ({source}); {how}")
 
     curve = []
     step = 0
@@ -213,8 +233,11 @@ def main() -> None:
         busy = torch.tensor([report.busy_seconds], device=device)
         gathered = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(gathered, busy)
+        busy_all = np.array([b.item() for b in gathered])
+        seen = None
+        if calib is not None:  # collective: every rank, every step
+            seen = calib.step(plan, report, step_seconds=seconds, busiest_seconds=busy_all.max())
         if rank == 0:
-            busy_all = np.array([b.item() for b in gathered])
             metrics.observe_step(plan)
             metrics.observe_measured_step(
                 policy=plan.policy,
@@ -224,10 +247,14 @@ def main() -> None:
             )
             curve.append(loss)
             sizes = sorted(set(plan.cp_of_sequences().values()))
+            st = plan.stats
+            predicted = st["step_parts"]["total"] if seen is None else seen.predicted_seconds
+            version = "" if calib is None else f" v{calib.current.version}"
             print(
                 f"step {step:3d}: loss {loss:.4f}  docs {len(plan.lengths):3d} (longest "
-                f"{max(plan.lengths)})  cp sizes {sizes}  waves {plan.stats['waves']}  "
-                f"{seconds:.2f} s",
+                f"{max(plan.lengths)})  cp sizes {sizes}  waves {st['waves']}  measured "
+                f"{seconds:.2f} s  predicted {predicted:.2f} s ({profile}{version}, whole step)  "
+                f"error {abs(predicted - seconds) / seconds:.1%}",
                 flush=True,
             )
         step += 1
@@ -240,6 +267,8 @@ def main() -> None:
             f"loss: first {k} steps {np.mean(curve[:k]):.4f} -> last {k} steps "
             f"{np.mean(curve[-k:]):.4f}; {time.perf_counter() - start:.1f} s in all"
         )
+        if calib is not None:
+            print(calib.summary())
         wanted = ("dyncp_last_step", "dyncp_tokens_total", "dyncp_microbatches_total")
         print("metrics (Prometheus exposition, excerpt):")
         for line in metrics.exposition().decode().splitlines():

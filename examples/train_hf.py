@@ -21,6 +21,15 @@ dataset, every sample exactly once per epoch, plans from its lookahead thread; t
 deterministic planner on every rank). Each step's plan reaches the loop through ``on_step`` and
 runs with ``runtime.execute``; the sampler's own micro-batches mark the step boundaries, and
 ``ctx.sample_ids`` name the dataset rows each micro-batch packs.
+
+The prediction is of the whole step, calibrated online by default
+(``dyncp.runtime.whole_step.WholeStepCalibration``): the micro-batches' cost model is refitted
+from their measured times (the same model version on every rank; without ``--sampler`` the
+planner moves to it) and the part of the step outside micro-batches (gradient reduction,
+optimizer, the rest) is fitted from the step's wall clock minus the busiest rank's busy time.
+Each step is predicted before it is learnt from. Rank 0 names the profile it started from,
+prints each step's error and, at the end, what calibration changed. ``--no-calibrate`` keeps
+the starting profile, to compare.
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ import torch.distributed as dist
 import transformers
 
 from dyncp.cost_model import CostModel
+from dyncp.cost_model.schema import load_profile
 from dyncp.data import load_lengths, resolve_dataset
 from dyncp.integrations.hf import causal_lm_loss, plan_check, register_ring_attention
 from dyncp.observability import Metrics
-from dyncp.planner import Planner
+from dyncp.planner import Planner, VersionedPlanner
 from dyncp.runtime import GroupPool, execute, reduce_gradients, reduce_loss
+from dyncp.runtime.whole_step import WholeStepCalibration
 from dyncp.sampler import DynamicCPSampler
 from dyncp.sim.replay import admit, draw_batch_indices
 from dyncp.testing.hf_models import FAMILIES, tiny_config
@@ -115,6 +126,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     p.add_argument("--sampler", action="store_true", help="take the steps from DynamicCPSampler")
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="predict with the starting profile only (default: calibrate online)",
+    )
     args = p.parse_args()
 
     dist.init_process_group(args.backend)
@@ -131,14 +148,23 @@ def main() -> None:
         torch.cuda.set_device(device)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     pool = GroupPool()
+    profile = load_profile(args.profile)
     planner = Planner(
-        CostModel.load(args.profile, ranks_per_node=per_node),
+        CostModel(profile, ranks_per_node=per_node),
         world=world,
         ranks_per_node=per_node,
         capacity=args.capacity,
         deterministic=True,
         cpsat=None,
     )  # identical on every rank
+    calib = None
+    if args.calibrate:
+        calib = WholeStepCalibration(pool, profile, ranks_per_node=per_node)
+        if not args.sampler:  # the sampler's lookahead thread keeps its own planner
+            planner = VersionedPlanner(planner, calib.current)
+    if rank == 0:
+        how = "calibrating online (--no-calibrate to compare)" if calib else "not calibrating"
+        print(f"cost model: profile {args.profile} ({profile.provenance.source}); {how}")
     metrics = None
     if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
         metrics = Metrics(cp_sizes=planner.topology.group_sizes)
@@ -185,6 +211,11 @@ def main() -> None:
         all_busy = [torch.zeros_like(busy) for _ in range(world)]
         dist.all_gather(all_busy, busy)
         busy_all = np.array([b.item() for b in all_busy])
+        seen = None
+        if calib is not None:  # collective: every rank, every step
+            seen = calib.step(plan, report, step_seconds=seconds, busiest_seconds=busy_all.max())
+            if seen.new_version is not None and not args.sampler:
+                planner = VersionedPlanner.rebuild(planner, seen.new_version)
         if metrics is not None:
             metrics.observe_step(plan)
             metrics.observe_measured_step(
@@ -196,13 +227,19 @@ def main() -> None:
         if rank == 0:
             st = plan.stats
             sizes = sorted(set(plan.cp_of_sequences().values()))
+            predicted = st["step_parts"]["total"] if seen is None else seen.predicted_seconds
+            version = "" if calib is None else f" v{calib.current.version}"
             print(
                 f"step {step}: loss {loss.item():.4f}  docs {len(batch)} ({truncated} truncated)  "
                 f"waves {st['waves']}  "
-                f"cp sizes {sizes}  measured {seconds:.3f} s  predicted "
-                f"{st['predicted_step_seconds']:.3f} s ({args.profile})  imbalance measured "
+                f"cp sizes {sizes}  measured {seconds:.3f} s (busiest rank in micro-batches "
+                f"{busy_all.max():.3f} s)  predicted "
+                f"{predicted:.3f} s ({args.profile}{version}, whole step)  error "
+                f"{abs(predicted - seconds) / seconds:.1%}  imbalance measured "
                 f"{busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"
             )
+    if rank == 0 and calib is not None:
+        print(calib.summary())
     dist.destroy_process_group()
 
 

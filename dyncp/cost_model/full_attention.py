@@ -76,7 +76,17 @@ class FullAttentionModel(HeadSplitPricing):
         self.profile = profile
         self.ranks_per_node = ranks_per_node
         self.layers = profile.model.num_layers
+        # The whole step's per-token embedding and LM head + loss are paid by every micro-batch
+        # like its linear work (a version-1 profile has none: ``lin`` exactly as before).
+        step = profile.step
+        self.embed_head = (
+            0.0
+            if step is None
+            else step.embedding_seconds_per_token + step.head_loss_seconds_per_token
+        )
         self.lin = profile.linear_seconds_per_token
+        if self.embed_head:
+            self.lin = self.lin + self.embed_head
         att = profile.attention
         self.k = att.step_overhead_seconds
         self.per_sequence = att.sequence_overhead_seconds

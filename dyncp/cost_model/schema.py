@@ -58,6 +58,13 @@ Published forms as profiles (each bundled, each checked against its formula in t
   work in tokens, split evenly by per-document CP sharding):
   ``dyncp/cost_model/profiles/published-wlbllm.json``.
 
+The whole step (``schema_version: 2`` only; a version-1 profile has none and prices exactly as
+before): ``step`` lists what a training step pays besides its micro-batches' attention, linear
+work and rings -- the embedding and the LM head with its loss per token (priced in every
+micro-batch, divided by c like the linear work), the gradient reduction by parameter bytes over
+a link, and the optimizer's update by parameter count -- so that a predicted speedup is a
+whole-step one (``dyncp.cost_model.step_parts``).
+
 What the planner, the bound and the simulator call on a cost model is listed in
 ``dyncp.cost_model.protocol``.
 """
@@ -74,6 +81,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "RunContext",
+    "StepCosts",
     "load_profile",
     "bundled_profiles",
     "PROFILES_DIR",
@@ -290,6 +298,37 @@ class Communication(_Strict):
         return self
 
 
+#: How the data-parallel gradients are reduced (``dyncp.cost_model.step_parts`` prices each).
+INTEGRATIONS = ("ddp", "fsdp2-once", "fsdp2-full")
+
+
+class StepCosts(_Strict):
+    """What one training step pays outside its micro-batches' attention, linear work and rings.
+
+    Each number is measured (``dyncp.profiling``) or a stated assumption named in the
+    provenance; ``dyncp.cost_model.step_parts`` turns them into a step's named parts. The
+    data-parallel collectives use the profile's measured links
+    (``dyncp.cost_model.sharding.collective_from_profile``).
+    """
+
+    embedding_seconds_per_token: float = Field(ge=0, default=0.0, description="fwd+bwd")
+    head_loss_seconds_per_token: float = Field(
+        ge=0, default=0.0, description="LM head and loss, fwd+bwd"
+    )
+    parameters: int = Field(ge=0, description="parameters of one model replica")
+    gradient_bytes_per_parameter: float = Field(gt=0, default=4.0)
+    parameter_bytes_per_parameter: float = Field(gt=0, default=2.0)
+    optimizer_seconds_per_parameter: float = Field(
+        ge=0, description="the optimizer's update of one parameter on one rank (unsharded)"
+    )
+    fixed_seconds: float = Field(
+        ge=0, default=0.0, description="other work every step pays once (measured or calibrated)"
+    )
+    integration: Literal["ddp", "fsdp2-once", "fsdp2-full"] = Field(
+        default="ddp", description="how gradients are reduced unless a caller says otherwise"
+    )
+
+
 class Padding(_Strict):
     """How a sequence is padded when a micro-batch is priced at CP size c > 1."""
 
@@ -340,7 +379,7 @@ class LayerMix(_Strict):
 class Profile(_Strict):
     """A complete cost-model profile."""
 
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2]
     name: str
     description: str
     provenance: Provenance
@@ -353,9 +392,12 @@ class Profile(_Strict):
     overheads: Overheads
     padding: Padding = Padding()
     layer_mix: LayerMix | None = None
+    step: StepCosts | None = None
 
     @model_validator(mode="after")
     def _check_mix(self) -> Profile:
+        if self.step is not None and self.schema_version < 2:
+            raise ValueError("step needs schema_version 2 (version 1 profiles have no step)")
         mix = self.layer_mix
         if mix is None:
             return self
@@ -395,6 +437,8 @@ class Profile(_Strict):
         data = self.model_dump(mode="json")
         if data.get("layer_mix") is None:
             data.pop("layer_mix", None)  # profiles without a mix keep their exact form
+        if data.get("step") is None:
+            data.pop("step", None)  # nor version-1 profiles without the whole step
         if not data["attention"].get("head_scales"):
             data["attention"].pop("head_scales", None)  # nor without measured head scales
         for key, empty in (("ring_sequence_step_seconds", 0.0), ("tiles", None)):

@@ -82,6 +82,9 @@ class PlanStats(dict[str, Any]):
     #: A pipelined plan (``Planner(pipeline=...)``): slots, the pipelined step and its bubble,
     #: every candidate's price, the pipelined bound (``dyncp.planner.pipeline.PipelineStats``).
     pipeline = _Field[dict[str, Any]]()
+    #: The whole step as named parts on its busiest rank, the common per-step parts (gradient
+    #: reduction, optimizer) included (``dyncp.cost_model.step_parts.StepParts.as_dict``).
+    step_parts = _Field[dict[str, float]]()
     #: Wall-clock values (seconds of each part of ``plan()``, candidates tried).
     timings = _Field[dict[str, Any]]()
 

@@ -75,6 +75,8 @@ from typing import Any
 import numpy as np
 
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.schema import Profile
+from dyncp.cost_model.step_parts import step_parts
 from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.candidates import BaselineCandidates
 from dyncp.planner.baselines.static import static_cp_size
@@ -361,6 +363,9 @@ class Planner(PlannerStages):
         st.predicted_step_seconds = seconds
         st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
         st.waves = len(plan.waves)
+        if isinstance(getattr(self.model, "profile", None), Profile):  # plug-ins have no parts
+            parts = step_parts(plan, self.model, planned_seconds=seconds, timing=self.timing)
+            st.step_parts = parts.as_dict()
         if pipeline is not None:
             st.imbalance = st.efficiency = None  # (the unpipelined plan's; the slots differ)
         elif defer:

@@ -36,6 +36,7 @@ from dyncp.profiling.decoder import MODELS, TinyDecoder
 from dyncp.profiling.fits import all_to_all_section, build_profile, fit_link_robust, model_section
 from dyncp.profiling.measure import group_sizes, measure, measure_all_to_all, run_context
 from dyncp.profiling.packs import measure_packs, ring_sizes
+from dyncp.profiling.step_costs import measure_step_costs, with_step_costs
 
 # The profiler's pieces live in decoder, measure and fits (the fits in dyncp.cost_model.fitting;
 # fit_attention is dyncp.cost_model.fitting.fit_quadratic); imported here, the names of 0.1 keep
@@ -127,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="also measure the optimizer and the gradient all-reduce (schema version 2 step)",
+    )
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--max-length", type=int, default=4096, help="longest attention length")
     p.add_argument("--repeats", type=int, default=7)
@@ -205,6 +211,12 @@ def main(argv: list[str] | None = None) -> None:
             rng=np.random.default_rng(1),  # validation draws its packs from seed 0
             device=device,
         )
+    step = None
+    if args.whole_step:  # every rank: the all-reduce is a collective
+        log("  timing the optimizer step and the gradient all-reduce")
+        torch.manual_seed(1)
+        model = TinyDecoder(MODELS[args.model]).to(device=device, dtype=dtype)
+        step = measure_step_costs(model, repeats=args.repeats)
     if rank == 0:
         name = args.name or args.out.stem
         profile = build_profile(
@@ -229,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"  refit to the packs: mean error {fit.error_before:.1%} -> "
                 f"{fit.error_after:.1%}, overlap {fit.overlap}"
             )
+        if step is not None:
+            world = dist.get_world_size() if distributed else 1
+            profile = with_step_costs(profile, step, world=world, command=command)
         args.out.write_text(profile.to_json())
         log(f"wrote {args.out}")
     if distributed:

@@ -20,6 +20,7 @@ from dyncp.cost_model.pipeline_timing import price_pipeline
 from dyncp.plan import StepPlan
 from dyncp.sim.pipeline_plots import pipeline_gantt
 from dyncp.sim.replay import PolicyRun
+from dyncp.sim.step_parts_plot import step_parts_figure
 from dyncp.sim.timeseries import timeseries_figure
 
 if TYPE_CHECKING:
@@ -260,7 +261,8 @@ def write_plots(
     measured: Mapping[str, list[float]] | None = None,
 ) -> list[Path]:
     """Write ``gantt-<policy>.png`` (step ``step`` of each policy), ``gantt.png`` (all policies on
-    one time axis), ``step-seconds.png`` and ``timeseries.png`` (the dashboard's per-step series,
+    one time axis), ``step-seconds.png``, ``step-parts.png`` (the parts of the step, stacked per
+    policy, ``dyncp.sim.step_parts_plot``) and ``timeseries.png`` (the dashboard's per-step series,
     ``dyncp.sim.timeseries``; ``measured``: policy -> measured step seconds) into ``directory``;
     pipelined plans get ``pipeline-gantt.png`` (``dyncp.sim.pipeline_plots``) instead of the
     Gantt charts;
@@ -291,5 +293,7 @@ def write_plots(
     if len(plans) > 1 and not piped:
         save(gantt_figure(plans, model, caption=f"one step, every policy{suffix}"), "gantt.png")
     save(_step_figure(runs, bounds, caption), "step-seconds.png")
+    if any(isinstance(p.stats.get("step_parts"), dict) for p in plans.values()):
+        save(step_parts_figure(plans, caption=f"one step{suffix}"), "step-parts.png")
     save(timeseries_figure(runs, bounds, measured=measured, caption=caption), "timeseries.png")
     return written

@@ -209,6 +209,8 @@ class PolicyRun:
     multi_cp_share: list[float] = field(default_factory=list)
     #: Per step, pipelined plans only: the bubble fraction (their balance; no imbalance).
     bubble: list[float] = field(default_factory=list)
+    #: Per step: the whole step's named parts (``plan.stats["step_parts"]``), when priced.
+    step_parts: list[dict[str, float]] = field(default_factory=list)
 
 
 def replay(
@@ -239,6 +241,8 @@ def replay(
             if isinstance(st.get("pipeline"), dict):
                 run.bubble.append(st["pipeline"]["bubble_fraction"])
             run.gap.append(st["gap_to_lower_bound"])
+            if isinstance(st.get("step_parts"), dict):
+                run.step_parts.append(st["step_parts"])
             run.plan_seconds.append(st["timings"]["plan_seconds"])
             run.waves.append(st["waves"])
             ringed = 0

@@ -51,6 +51,11 @@ def summarise(runs: dict[str, PolicyRun], bounds: list[float]) -> dict[str, Any]
             "layout_histogram": _layouts(run.layouts),
             "step_seconds": [float(x) for x in run.step_seconds],
         }
+        if run.step_parts:  # the whole step's parts, averaged over the steps
+            keys = run.step_parts[0].keys()
+            policies[name]["mean_step_parts"] = {
+                k: float(np.mean([parts[k] for parts in run.step_parts])) for k in keys
+            }
         if run.bubble:  # pipelined plans: their balance is the bubble, not an imbalance
             policies[name]["mean_bubble_fraction"] = float(np.mean(run.bubble))
     out: dict[str, Any] = {
@@ -63,6 +68,11 @@ def summarise(runs: dict[str, PolicyRun], bounds: list[float]) -> dict[str, Any]
             out[f"speedup_vs_{base}"] = {
                 name: ref / p["mean_step_seconds"] for name, p in policies.items()
             }
+            if all("mean_step_parts" in p for p in policies.values()):
+                whole = policies[base]["mean_step_parts"]["total"]
+                out[f"whole_step_speedup_vs_{base}"] = {
+                    name: whole / p["mean_step_parts"]["total"] for name, p in policies.items()
+                }
     return out
 
 
@@ -132,4 +142,13 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(" " * (sum(_WIDTHS) + len(_WIDTHS) - 1) + f"  head splits: {split}")
     bound = f"{summary['lower_bound_mean_step_seconds']:.3f}"
     lines.append(_cells(["lower bound", bound], _WIDTHS[:2], 1))
+    whole = summary.get("whole_step_speedup_vs_static", {})
+    common = [
+        p["mean_step_parts"]["total"] - p["mean_step_parts"]["planned"]
+        for p in summary["policies"].values()
+        if "mean_step_parts" in p
+    ]
+    if whole and max(common, default=0.0) > 0:  # a profile with the whole step (version 2)
+        figures = " ".join(f"{name} {x:.3f}x" for name, x in whole.items())
+        lines.append(f"whole step vs static (reduction, optimizer included): {figures}")
     return "\n".join(lines)

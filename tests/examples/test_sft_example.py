@@ -38,3 +38,8 @@ def test_sft_example_runs() -> None:
     assert any(sizes == "1, 2" for _, _, sizes in steps), done.stdout  # a ring and single ranks
     assert "loss: first" in done.stdout
     assert 'dyncp_microbatches_total{cp_size="2",policy="dyncp"}' in done.stdout
+    # The whole step is predicted, calibrated online by default, and the output says so.
+    assert "cost model: profile cpu-gloo (" in done.stdout and "calibrating online" in done.stdout
+    predicted = re.findall(r"predicted ([0-9.]+) s \(cpu-gloo v\d+, whole step\)", done.stdout)
+    assert len(predicted) == STEPS and all(float(x) > 0 for x in predicted), done.stdout
+    assert "calibration: model v" in done.stdout and "per-step part" in done.stdout

@@ -34,10 +34,9 @@ def train_step(model: TinyDecoder, lengths, seed: int):
     return step_fn
 
 
-def _worker(rank: int, world: int) -> dict:
-    pool = GroupPool()
-    profile = fast_profile()
-    base = Planner(
+def tiny_planner(profile: Profile, world: int) -> Planner:
+    """The deterministic planner of these tests: one node of ``world`` ranks, 256 tokens each."""
+    return Planner(
         CostModel(profile, world),
         world=world,
         ranks_per_node=world,
@@ -45,6 +44,12 @@ def _worker(rank: int, world: int) -> dict:
         deterministic=True,
         cpsat=None,
     )
+
+
+def _worker(rank: int, world: int) -> dict:
+    pool = GroupPool()
+    profile = fast_profile()
+    base = tiny_planner(profile, world)
     calibrator = OnlineCalibrator(
         profile, ranks_per_node=world, refit_every=1, min_measurements=8, min_gain=0.0
     )

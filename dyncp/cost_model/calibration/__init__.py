@@ -12,6 +12,7 @@ Modules, one line each:
 - ``records``: what travels through the Store (measurement records, model versions);
 - ``online``: OnlineCalibrator, refits while training runs;
 - ``pipeline``: the same refit for pipelined steps, and the measured stage-to-stage link.
+- ``step_fit``: StepFit, the per-step part outside micro-batches (wall clock minus busy time).
 """
 
 from dyncp.cost_model.calibration.fit import CalibrationResult, fit_profile, prediction_errors

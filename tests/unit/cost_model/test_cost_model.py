@@ -224,7 +224,7 @@ BAD = {
         "",
     ),
     "unknown-form": (_set("attention.form", "cubic"), "attention", "cubic"),
-    "schema-version": (_set("schema_version", 2), "schema_version", ""),
+    "schema-version": (_set("schema_version", 3), "schema_version", ""),
 }
 
 

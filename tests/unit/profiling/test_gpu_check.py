@@ -34,6 +34,9 @@ def test_dry_run_checks_kernels_writes_a_profile_and_a_mape(tmp_path: Path) -> N
     mape = report["mape"]
     assert len(mape["packs"]) == 4 and math.isfinite(mape["mape"])
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in mape["packs"])
+    optimizer = report["optimizer"]  # the whole step's optimizer, measured beside its assumption
+    assert optimizer["optimizer_seconds_per_parameter"] > 0
+    assert optimizer["shape_parameters"] > optimizer["parameters_timed"] > 0
 
 
 class _WrongScale(MathKernel):

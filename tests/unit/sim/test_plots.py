@@ -37,7 +37,7 @@ def test_plot_writes_a_gantt_per_policy_and_the_step_time_plot(tmp_path: Path) -
     assert main([*SMALL, "--steps", "3", "--plot", str(out)]) == 0
     names = {p.name for p in out.iterdir()}
     expected = {f"gantt-{p}.png" for p in POLICIES} | {"gantt.png", "step-seconds.png"}
-    expected.add("timeseries.png")
+    expected |= {"timeseries.png", "step-parts.png"}
     assert names == expected
     for name in expected:
         width, height = png_size(out / name)
@@ -64,6 +64,7 @@ def test_plot_step_and_policy_subset(tmp_path: Path) -> None:
     assert {p.name for p in out.iterdir()} == {
         "gantt-megatron.png",
         "step-seconds.png",
+        "step-parts.png",
         "timeseries.png",
     }
 
@@ -175,3 +176,31 @@ def test_the_timeseries_plot_shows_measured_steps_without_a_metrics_port(tmp_pat
     assert main([*args, "--plot", str(out)]) == 0
     width, height = png_size(out / "timeseries.png")
     assert width > 1000 and height > 600
+
+
+def test_step_parts_bars_stack_to_each_policys_whole_step() -> None:
+    """One bar per policy; its segments are the plan's named parts and stack to its total."""
+    pytest.importorskip("matplotlib")
+    from dyncp.planner import Planner, PlannerConfig
+    from dyncp.sim.step_parts_plot import step_parts_figure
+
+    lengths = np.random.default_rng(0).integers(64, 12_000, 32)
+    plans = {}
+    for policy in ("static", "dyncp"):
+        config = PlannerConfig(
+            world=8,
+            ranks_per_node=4,
+            capacity=16_384,
+            policy=policy,
+            max_length=12_000,
+            deterministic=True,
+            cpsat=None,
+        )
+        plans[policy] = Planner(model(), config).plan(lengths)
+    ax = step_parts_figure(plans).axes[0]
+    for k, plan in enumerate(plans.values()):
+        heights = [
+            r.get_height() for r in ax.patches if abs(r.get_x() + r.get_width() / 2 - k) < 0.1
+        ]
+        assert sum(heights) == pytest.approx(plan.stats["step_parts"]["total"], rel=1e-9)
+        assert len(heights) >= 3  # attention, linear, launch at least

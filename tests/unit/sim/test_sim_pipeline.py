@@ -40,6 +40,7 @@ def test_interleaved_replay_and_its_gantt(tmp_path: Path) -> None:
     assert {p.name for p in plots.iterdir()} == {
         "pipeline-gantt.png",
         "step-seconds.png",
+        "step-parts.png",
         "timeseries.png",
     }
 

@@ -1,0 +1,78 @@
+"""StepFit: the per-step part outside micro-batches, fitted from measured steps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds
+from dyncp.cost_model.schema import load_profile
+
+PARTS = {"synchronisation": 0.01, "gradient_reduction": 0.05, "optimizer": 0.02}
+
+
+def measured(rng: np.random.Generator, fixed: float, n: int, sigma: float = 0.05):
+    """Steps whose busy time varies and whose outside time is the predicted parts + ``fixed``,
+    both with multiplicative noise."""
+    for _ in range(n):
+        busy = float(rng.uniform(0.1, 0.4))
+        outside = (sum(PARTS.values()) + fixed) * math.exp(rng.normal(0.0, sigma))
+        yield busy + outside, busy
+
+
+def test_fits_the_unexplained_fixed_part_within_10_steps() -> None:
+    """A profile that prices no fixed part learns it: after 9 steps with 0.3 s unexplained, the
+    adopted fixed part is within 10% of it and the predicted wall clocks within 5%."""
+    rng = np.random.default_rng(0)
+    fit = StepFit(load_profile("cpu-gloo"))
+    for wall, busy in measured(rng, 0.3, 9):
+        fit.observe(wall, busy, PARTS)
+    assert fit.adoptions >= 1
+    assert fit.fixed == pytest.approx(0.3, rel=0.1)
+    assert fit.profile.schema_version == 2 and fit.profile.step.fixed_seconds == fit.fixed
+    errors = [
+        abs(busy + sum(PARTS.values()) + fit.fixed - wall) / wall
+        for wall, busy in measured(rng, 0.3, 20)
+    ]
+    assert max(errors) < 0.15 and float(np.median(errors)) < 0.05
+
+
+def test_a_straggler_moves_the_median_not_the_fit() -> None:
+    rng = np.random.default_rng(1)
+    fit = StepFit(load_profile("cpu-gloo"), refit_every=12, window=12)
+    steps = list(measured(rng, 0.2, 12, sigma=0.01))
+    steps[3] = (steps[3][0] + 50.0, steps[3][1])  # one step stalls for 50 s
+    for wall, busy in steps:
+        fit.observe(wall, busy, PARTS)
+    assert fit.fixed == pytest.approx(0.2, rel=0.1)
+
+
+def test_an_accurate_profile_is_left_alone() -> None:
+    rng = np.random.default_rng(2)
+    profile = with_fixed_seconds(load_profile("cpu-gloo"), 0.25)
+    fit = StepFit(profile, min_change=0.1)
+    for wall, busy in measured(rng, 0.25, 24, sigma=0.02):
+        assert fit.observe(wall, busy, PARTS) is None
+    assert fit.adoptions == 0 and fit.profile is profile
+
+
+def test_bad_steps_are_refused_alone() -> None:
+    fit = StepFit(load_profile("cpu-gloo"))
+    for wall, busy, parts in (
+        (float("nan"), 0.1, PARTS),
+        (0.1, 0.5, PARTS),  # busy longer than the step
+        (-1.0, 0.1, PARTS),
+        (1.0, 0.1, {"synchronisation": 0.0}),  # parts missing
+        (1.0, 0.1, {**PARTS, "optimizer": "x"}),
+    ):
+        assert fit.observe(wall, busy, parts) is None
+    assert fit.refused == 5 and fit.fixed == 0.0
+
+
+def test_bad_settings_name_what_is_allowed() -> None:
+    with pytest.raises(ValueError, match="StepFit needs window >= 3"):
+        StepFit(load_profile("cpu-gloo"), window=2)
+    with pytest.raises(ValueError, match="fixed seconds must be finite and >= 0"):
+        with_fixed_seconds(load_profile("cpu-gloo"), -1.0)
