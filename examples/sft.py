@@ -170,6 +170,7 @@ def main() -> None:
         max_length=args.max_length,
         deterministic=True,
         cpsat=None,
+        step_parts=True,  # the whole step's parts, printed below
     )  # identical on every rank
     metrics = Metrics(cp_sizes=planner.topology.group_sizes) if rank == 0 else None
     if metrics is not None and args.metrics_port is not None:

@@ -156,6 +156,7 @@ def main() -> None:
         capacity=args.capacity,
         deterministic=True,
         cpsat=None,
+        step_parts=True,  # the whole step's parts, printed below
     )  # identical on every rank
     calib = None
     if args.calibrate:

@@ -363,9 +363,6 @@ class Planner(PlannerStages):
         st.predicted_step_seconds = seconds
         st.imbalance, st.efficiency = cost.imbalance, cost.efficiency
         st.waves = len(plan.waves)
-        if isinstance(getattr(self.model, "profile", None), Profile):  # plug-ins have no parts
-            parts = step_parts(plan, self.model, planned_seconds=seconds, timing=self.timing)
-            st.step_parts = parts.as_dict()
         if pipeline is not None:
             st.imbalance = st.efficiency = None  # (the unpipelined plan's; the slots differ)
         elif defer:
@@ -401,6 +398,12 @@ class Planner(PlannerStages):
         )
         if not defer:
             plan.stats["timings"]["bound_seconds"] = t2 - t1
+        profiled = isinstance(getattr(self.model, "profile", None), Profile)  # not plug-ins
+        if self.config.step_parts and profiled:  # after plan_seconds: not planning time
+            t3 = time.perf_counter()
+            parts = step_parts(plan, self.model, planned_seconds=seconds, timing=self.timing)
+            st.step_parts = parts.as_dict()
+            plan.stats["timings"]["step_parts_seconds"] = time.perf_counter() - t3
         return plan
 
     def _align_budget(self, start: float, limit: float, reserve: float) -> AlignBudget | None:

@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 group_sizes=sizes,
                 timing=args.timing,
                 pipeline=pipeline,
+                step_parts=True,  # reported per step (not planning time)
                 **_planner_mode(args.time_limit),
             )
             for name in policies

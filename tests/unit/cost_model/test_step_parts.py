@@ -43,8 +43,28 @@ def plan(model: CostModel, policy: str, batch: np.ndarray, world: int = 16, capa
         max_length=int(batch.max()),
         deterministic=True,
         cpsat=None,
+        step_parts=True,
     )
     return Planner(model, config).plan(batch)
+
+
+def test_step_parts_are_priced_only_when_asked() -> None:
+    # Off by default: three more pricings per plan (0.77 s at 4,096 ranks) stay out of a plan
+    # service's step budget; asked for, they come after ``plan_seconds`` is taken.
+    model = CostModel.load("h100-reference", 8)
+    batch = lengths()
+    config = PlannerConfig(
+        world=16,
+        ranks_per_node=8,
+        capacity=32_768,
+        max_length=int(batch.max()),
+        deterministic=True,
+        cpsat=None,
+    )
+    assert "step_parts" not in Planner(model, config).plan(batch).stats
+    asked = plan(model, "dyncp", batch)
+    assert set(asked.stats["step_parts"]) >= {"attention", "total"}
+    assert "step_parts_seconds" in asked.stats["timings"]
 
 
 VERSION_1 = sorted(n for n in bundled_profiles() if load_profile(n).schema_version == 1)

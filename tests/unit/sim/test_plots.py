@@ -195,6 +195,7 @@ def test_step_parts_bars_stack_to_each_policys_whole_step() -> None:
             max_length=12_000,
             deterministic=True,
             cpsat=None,
+            step_parts=True,
         )
         plans[policy] = Planner(model(), config).plan(lengths)
     ax = step_parts_figure(plans).axes[0]
