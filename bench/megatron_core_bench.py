@@ -17,7 +17,8 @@ where a rank's whole round holds more (what a packed micro-batch of that round w
 
 Part 2 (wall clock, this machine): ``DynCPScheduler.get_groups_and_subsamples`` per step at 64
 and 512 ranks (capacity 8192, Wikipedia batches of 2 x world x capacity tokens), median and max
-over ``--latency-steps`` steps, beside the released ``BalancedCPScheduler`` on the same batches.
+over ``--latency-steps`` steps (and the median CPU seconds of the process, which a loaded machine
+inflates less), beside the released ``BalancedCPScheduler`` on the same batches.
 Every rank runs this call once per global batch, in the data loader.
 """
 
@@ -108,22 +109,27 @@ def _dyncp_as_megatron_runs_it(source, cap: int, steps: int, model: CostModel) -
 
 def latency(steps: int) -> None:
     model = CostModel.load("h100-reference", 8)
-    print(f"\n{'ranks':>6}{'docs/step':>10}{'dyncp p50':>11}{'dyncp max':>11}{'release p50':>13}")
+    print(
+        f"\n{'ranks':>6}{'docs/step':>10}{'dyncp p50':>11}{'dyncp max':>11}{'dyncp cpu':>11}"
+        f"{'release p50':>13}"
+    )
     for world in (64, 512):
         sched = DynCPScheduler(model, world=world, capacity=8192)
-        ours, theirs, docs = [], [], []
+        ours, theirs, docs, cpu = [], [], [], []
         for batch in _batches("wikipedia", 8192, steps, world):
             pairs = [(i, int(n)) for i, n in enumerate(batch)]
             docs.append(len(pairs))
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             sched.get_groups_and_subsamples(pairs, None)
             ours.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu0)
             start = time.perf_counter()
             release_rounds(batch, world=world, capacity=8192)
             theirs.append(time.perf_counter() - start)
         print(
             f"{world:>6}{statistics.mean(docs):>10.0f}{statistics.median(ours) * 1e3:>9.0f}ms"
-            f"{max(ours) * 1e3:>9.0f}ms{statistics.median(theirs) * 1e3:>11.0f}ms"
+            f"{max(ours) * 1e3:>9.0f}ms{statistics.median(cpu) * 1e3:>9.0f}ms"
+            f"{statistics.median(theirs) * 1e3:>11.0f}ms"
         )
 
 
@@ -131,8 +137,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--latency-steps", type=int, default=5)
+    parser.add_argument("--latency-only", action="store_true", help="skip the predicted table")
     args = parser.parse_args()
-    predicted(args.steps)
+    if not args.latency_only:
+        predicted(args.steps)
     latency(args.latency_steps)
 
 

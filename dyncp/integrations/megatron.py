@@ -72,8 +72,9 @@ class DynCPScheduler:
         world: DP x CP ranks (the wrapper's ``dp_cp_group.size()``).
         capacity: tokens per rank (megatron's ``config.max_seqlen_per_dp_cp_rank``).
         time_limit: deterministic planning units per step.
-        options: further ``Planner`` options (``policy``, ``cpsat``, ...); ``group_sizes`` must
-            be powers of two and ``head_sizes`` only (1,).
+        options: further ``Planner`` options (``policy``, ``cpsat``, ``bound`` -- default
+            ``"simple"`` --, ...); ``group_sizes`` must be powers of two and ``head_sizes``
+            only (1,).
     """
 
     def __init__(
@@ -99,6 +100,9 @@ class DynCPScheduler:
                 "groups of power-of-two sizes only"
             )
         options.setdefault("policy", "dyncp")
+        # Only the plan is used here; the tight (LP) bound is a report, a fifth of the planning
+        # time at 512 ranks (bench/megatron_core_bench.py).
+        options.setdefault("bound", "simple")
         if options["policy"] == "dyncp-hybrid":
             raise ValueError("policy dyncp-hybrid splits heads; megatron-core's format cannot")
         self.capacity = int(capacity)
