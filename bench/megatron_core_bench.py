@@ -18,7 +18,9 @@ where a rank's whole round holds more (what a packed micro-batch of that round w
 Part 2 (wall clock, this machine): ``DynCPScheduler.get_groups_and_subsamples`` per step at 64
 and 512 ranks (capacity 8192, Wikipedia batches of 2 x world x capacity tokens), median and max
 over ``--latency-steps`` steps (and the median CPU seconds of the process, which a loaded machine
-inflates less), beside the released ``BalancedCPScheduler`` on the same batches.
+inflates less); with ``broadcast=`` (the first rank plans under its 0.1 s wall-clock deadline and
+broadcasts; timed here on a one-rank gloo group, so the broadcast itself is not in the figure);
+and the released ``BalancedCPScheduler`` on the same batches.
 Every rank runs this call once per global batch, in the data loader.
 """
 
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
@@ -109,13 +112,23 @@ def _dyncp_as_megatron_runs_it(source, cap: int, steps: int, model: CostModel) -
 
 def latency(steps: int) -> None:
     model = CostModel.load("h100-reference", 8)
+    with tempfile.TemporaryDirectory() as tmp:  # the broadcast needs a group: one gloo rank
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            _latency(model, steps)
+        finally:
+            dist.destroy_process_group()
+
+
+def _latency(model: CostModel, steps: int) -> None:
     print(
         f"\n{'ranks':>6}{'docs/step':>10}{'dyncp p50':>11}{'dyncp max':>11}{'dyncp cpu':>11}"
-        f"{'release p50':>13}"
+        f"{'bcast p50':>11}{'bcast max':>11}{'release p50':>13}"
     )
     for world in (64, 512):
         sched = DynCPScheduler(model, world=world, capacity=8192)
-        ours, theirs, docs, cpu = [], [], [], []
+        bcast = DynCPScheduler(model, world=world, capacity=8192, broadcast=dist.group.WORLD)
+        ours, theirs, docs, cpu, cast = [], [], [], [], []
         for batch in _batches("wikipedia", 8192, steps, world):
             pairs = [(i, int(n)) for i, n in enumerate(batch)]
             docs.append(len(pairs))
@@ -124,11 +137,15 @@ def latency(steps: int) -> None:
             ours.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu0)
             start = time.perf_counter()
+            bcast.get_groups_and_subsamples(pairs, None)
+            cast.append(time.perf_counter() - start)
+            start = time.perf_counter()
             release_rounds(batch, world=world, capacity=8192)
             theirs.append(time.perf_counter() - start)
         print(
             f"{world:>6}{statistics.mean(docs):>10.0f}{statistics.median(ours) * 1e3:>9.0f}ms"
             f"{max(ours) * 1e3:>9.0f}ms{statistics.median(cpu) * 1e3:>9.0f}ms"
+            f"{statistics.median(cast) * 1e3:>9.0f}ms{max(cast) * 1e3:>9.0f}ms"
             f"{statistics.median(theirs) * 1e3:>11.0f}ms"
         )
 

@@ -14,7 +14,10 @@ dyncp's plan, and one call installs it::
 
 Why it is exact on every rank: every rank calls the scheduler with the same all-gathered lengths,
 and the planner runs in deterministic mode (a number of work units, never a clock), so each rank
-computes the same plan locally -- no broadcast needed. Plans are priced with
+computes the same plan locally -- no broadcast needed. That search takes about a second at 64
+ranks and several at 512 (``bench/megatron_core_bench.py``), so ``broadcast=`` (``for_wrapper(...,
+broadcast=True)``) plans once instead, on the DP x CP group's first rank under a wall-clock
+deadline, and broadcasts the schedule (an error, too, so no rank waits). Plans are priced with
 ``timing="barrier"``, as the release runs rounds; a group's packed micro-batches become
 consecutive sub-samples of its round (``dyncp.planner.baselines.megatron_core``).
 
@@ -42,6 +45,8 @@ __all__ = ["SUPPORTED_VERSIONS", "DynCPScheduler", "check_megatron_version"]
 SUPPORTED_VERSIONS = ("0.16.1",)
 #: Deterministic planning units per step (``Planner(time_limit=..., deterministic=True)``).
 DEFAULT_TIME_LIMIT = 0.05
+#: Wall-clock seconds of the broadcasting rank's planner per step (``broadcast=``).
+BROADCAST_TIME_LIMIT = 0.1
 
 
 def check_megatron_version(version: str | None = None) -> str:
@@ -71,7 +76,11 @@ class DynCPScheduler:
         model: the cost model plans are priced with (its ``ranks_per_node`` is the node size).
         world: DP x CP ranks (the wrapper's ``dp_cp_group.size()``).
         capacity: tokens per rank (megatron's ``config.max_seqlen_per_dp_cp_rank``).
-        time_limit: deterministic planning units per step.
+        time_limit: deterministic planning units per step; with ``broadcast``, wall-clock
+            seconds (default ``BROADCAST_TIME_LIMIT``).
+        broadcast: a process group (the wrapper's DP x CP group): its first rank plans under a
+            wall-clock deadline and broadcasts the schedule to the others, instead of every rank
+            running the deterministic search (seconds at 512 ranks: bench/megatron_core_bench.py).
         options: further ``Planner`` options (``policy``, ``cpsat``, ``bound`` -- default
             ``"simple"`` --, ...); ``group_sizes`` must be powers of two and ``head_sizes``
             only (1,).
@@ -83,7 +92,8 @@ class DynCPScheduler:
         *,
         world: int,
         capacity: int,
-        time_limit: float = DEFAULT_TIME_LIMIT,
+        time_limit: float | None = None,
+        broadcast: Any = None,
         **options: Any,
     ) -> None:
         heads = tuple(options.get("head_sizes", (1,)))
@@ -107,13 +117,16 @@ class DynCPScheduler:
             raise ValueError("policy dyncp-hybrid splits heads; megatron-core's format cannot")
         self.capacity = int(capacity)
         self.world = int(world)
+        self.broadcast = broadcast
+        if time_limit is None:
+            time_limit = DEFAULT_TIME_LIMIT if broadcast is None else BROADCAST_TIME_LIMIT
         self.planner = Planner(
             model,
             world=self.world,
             ranks_per_node=model.ranks_per_node,
             capacity=self.capacity,
             time_limit=time_limit,
-            deterministic=True,
+            deterministic=broadcast is None,
             timing="barrier",
             **options,
         )
@@ -123,14 +136,18 @@ class DynCPScheduler:
         self.last_release_plan: StepPlan | None = None
 
     @classmethod
-    def for_wrapper(cls, wrapper: Any, model: CostModel, **options: Any) -> DynCPScheduler:
+    def for_wrapper(
+        cls, wrapper: Any, model: CostModel, *, broadcast: bool = False, **options: Any
+    ) -> DynCPScheduler:
         """A scheduler sized from a ``HybridCPDataLoaderWrapper`` (its DP x CP group, its config's
-        ``max_seqlen_per_dp_cp_rank``); checks the installed megatron-core version."""
+        ``max_seqlen_per_dp_cp_rank``); ``broadcast=True``: plan once on the group's first rank
+        and broadcast over that group. Checks the installed megatron-core version."""
         check_megatron_version()
         return cls(
             model,
             world=wrapper.dp_cp_group.size(),
             capacity=wrapper.config.max_seqlen_per_dp_cp_rank,
+            broadcast=wrapper.dp_cp_group if broadcast else None,
             **options,
         )
 
@@ -171,14 +188,38 @@ class DynCPScheduler:
                 f"sample {i} has {n} tokens; no group of {self.world} ranks holds it at "
                 f"max_seqlen_per_dp_cp_rank={self.capacity} ({len(too_long)} such samples)"
             )
-        plan = self.planner.plan(lengths)
-        rounds = rounds_from_plan(plan, ids)
-        check_rounds(rounds, ids, self.world)
-        self.last_plan = plan
+        if self.broadcast is None:
+            rounds = self._rounds(lengths, ids)
+        else:
+            rounds = self._broadcast_rounds(lengths, ids)
         self.last_release_plan = plan_from_rounds(
             _as_positions(rounds, ids), lengths, self.topology, policy="dyncp-megatron"
         )
         return rounds
+
+    def _rounds(self, lengths: list[int], ids: list[int]) -> list[list[list[int]]]:
+        plan = self.planner.plan(lengths)
+        rounds = rounds_from_plan(plan, ids)
+        check_rounds(rounds, ids, self.world)
+        self.last_plan = plan
+        return rounds
+
+    def _broadcast_rounds(self, lengths: list[int], ids: list[int]) -> list[list[list[int]]]:
+        """The group's first rank plans; every rank gets its schedule, or its error (one line,
+        raised on every rank, so that no rank waits for a schedule that never comes)."""
+        import torch.distributed as dist
+
+        group = self.broadcast
+        message: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                message[0] = self._rounds(lengths, ids)
+            except ValueError as exc:
+                message[0] = str(exc)
+        dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
+        if isinstance(message[0], str):
+            raise ValueError(message[0])
+        return message[0]
 
     def get_groups_and_subsamples(
         self, global_id_seqlens: Sequence[tuple[int, int]], config: Any

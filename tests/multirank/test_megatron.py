@@ -4,7 +4,8 @@ One spawn runs one global batch twice through megatron-core 0.16.1's own
 ``HybridCPDataLoaderWrapper`` (all-gather of lengths, the scheduler call, the all-to-all
 re-routing) and ``hybrid_context_parallel_forward_backward`` (forward_step and backward_step per
 sub-sample, a barrier per round): first with the release's ``BalancedCPScheduler``, then with
-``DynCPScheduler`` installed by its one call. The model is tiny but needs its CP partners: every
+``DynCPScheduler`` installed by its one call, planning on every rank and then planning once on
+the first rank and broadcasting. The model is tiny but needs its CP partners: every
 token's output depends on the sum of its whole sequence's embeddings, all-reduced over the
 sub-sample's hybrid group, so a partner running another sub-sample (or none) changes the loss or
 hangs the collective (the process group's timeout then fails the run). Only the CUDA and
@@ -38,6 +39,8 @@ pytestmark = pytest.mark.multirank
 WORLD = 8
 CAPACITY = 64  # megatron's max_seqlen_per_dp_cp_rank: sequences up to 512 tokens, CP 1 .. 8
 VOCAB, DIM = 29, 6
+#: The release's own scheduler, dyncp's planned on every rank, dyncp's planned once and broadcast.
+SCHEDULERS = ("release", "dyncp", "dyncp-broadcast")
 
 
 def batch_of(rank: int) -> list[list[int]]:
@@ -114,9 +117,10 @@ def _step(rank: int, model: Tiny, scheduler: str, groups, tp_group) -> dict:
     pgs = ProcessGroupCollection()
     pgs.dp_cp, pgs.dp, pgs.tp = dist.group.WORLD, dist.group.WORLD, tp_group
     wrapper = HybridCPDataLoaderWrapper(iter([packs]), config, pg_collection=pgs)
-    if scheduler == "dyncp":
+    if scheduler.startswith("dyncp"):
         cost = CostModel(load_profile("h100-reference"), ranks_per_node=8)
-        DynCPScheduler.for_wrapper(wrapper, cost).install(wrapper)
+        broadcast = scheduler == "dyncp-broadcast"
+        DynCPScheduler.for_wrapper(wrapper, cost, broadcast=broadcast).install(wrapper)
     seen: list[np.ndarray] = []
     out_of_sync: list[str] = []
 
@@ -185,7 +189,7 @@ def _worker(rank: int, world: int) -> dict:
     tp = tp_groups(rank, world)
     model = Tiny()
     with cpu_megatron(tp):
-        return {name: _step(rank, model, name, groups, tp) for name in ("release", "dyncp")}
+        return {name: _step(rank, model, name, groups, tp) for name in SCHEDULERS}
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +210,7 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("scheduler", ["release", "dyncp"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_every_token_once_partners_in_sync(results: list[dict], scheduler: str) -> None:
     every = np.sort(np.concatenate([u for r in range(WORLD) for subs in uids_of(r) for u in subs]))
     seen = np.sort(np.concatenate([res[scheduler]["seen"] for res in results]))
@@ -215,7 +219,7 @@ def test_every_token_once_partners_in_sync(results: list[dict], scheduler: str) 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("scheduler", ["release", "dyncp"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_loss_and_grads_equal_one_process(results: list[dict], scheduler: str) -> None:
     ref_loss, ref_grads = reference()
     for res in results:
