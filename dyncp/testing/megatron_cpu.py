@@ -1,5 +1,6 @@
-"""megatron-core's dynamic-CP data path on gloo CPU ranks: the few CUDA and parallel_state
-stand-ins it needs, for tests only.
+"""megatron-core's dynamic-CP data path on gloo CPU ranks: its CUDA stand-ins, for tests only.
+
+The stand-ins are for the few CUDA and parallel_state calls it makes.
 
 megatron-core 0.16.1's ``HybridCPDataLoaderWrapper`` and
 ``hybrid_context_parallel_forward_backward`` are torch.distributed code that asks for CUDA in a
