@@ -68,6 +68,9 @@ SLOW = frozenset(
         "multirank/test_hybrid_attention.py::test_errors_that_need_process_groups",
         "multirank/test_hybrid_attention.py::test_every_split_matches_full_attention",
         "multirank/test_hybrid_attention.py::test_runtime_mixing_rings_all_to_all_and_hybrid_equals_one_process",
+        "multirank/test_megatron.py::test_dyncp_schedule_is_one_schedule_with_packs_and_cp_sizes",
+        "multirank/test_megatron.py::test_every_token_once_partners_in_sync",
+        "multirank/test_megatron.py::test_loss_and_grads_equal_one_process",
         "multirank/test_menu_runtime.py::test_sizes_3_5_6_on_six_ranks_are_exact",
         "multirank/test_menu_runtime.py::test_sizes_5_12_and_splits_of_12_on_twelve_ranks_are_exact",
         "multirank/test_ring_attention.py::test_ring_world_2",
@@ -115,6 +118,7 @@ SLOW = frozenset(
         "unit/planner/test_policies.py::test_same_input_same_plan",
         "unit/sampler/test_sampler.py::test_resume_at_a_random_point_equals_the_uninterrupted_run",
         "unit/sim/test_plots.py::test_plot_writes_a_gantt_per_policy_and_the_step_time_plot",
+        "unit/sim/test_release_policy.py::test_the_release_is_priced_beside_dyncp",
         "unit/sim/test_sim.py::test_cli_subprocess_bundled_defaults",
         "unit/test_readme_figures.py::test_the_record_is_what_the_caption_command_plans_now",
     }

@@ -39,6 +39,7 @@ from dyncp.plan.menu import menu_sizes
 from dyncp.planner.planner import ALL_POLICIES, HYBRID_POLICY, POLICIES, Planner
 from dyncp.sim.options import DEFAULT_MAX_LENGTH, OneLineParser, build_parser
 from dyncp.sim.progress import Progress
+from dyncp.sim.release import RELEASE_POLICY, ReleasePlanner, overflow_summary
 from dyncp.sim.replay import (
     admit,
     batch_notes,
@@ -166,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = args.head_sizes != (1,)
         args.policies = ",".join(ALL_POLICIES if hybrid else POLICIES)
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    unknown = [s for s in policies if s not in ALL_POLICIES]
+    known = (RELEASE_POLICY, *ALL_POLICIES)
+    unknown = [s for s in policies if s not in known]
     if unknown or not policies:
-        parser.error(f"--policies {args.policies!r}: choose from {','.join(ALL_POLICIES)}")
+        parser.error(f"--policies {args.policies!r}: choose from {','.join(known)}")
+    if RELEASE_POLICY in policies and args.pp is not None:
+        parser.error(f"--policies {RELEASE_POLICY} with --pp: the release's dynamic CP has no PP")
     if args.metrics_port is None:
         for flag, value in (("--hold", args.hold), ("--step-delay", args.step_delay)):
             if value:
@@ -201,9 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--profile {args.profile}: {exc}")
     sizes = _check_machine(parser, args, policies)
     pipeline = _pipeline(parser, args)
+    release = None
+    if RELEASE_POLICY in policies:
+        if any(c & (c - 1) for c in sizes):
+            parser.error(f"--policies {RELEASE_POLICY}: the release's CP sizes are powers of two")
+        topology = Topology(args.world, args.ranks_per_node, args.capacity, sizes)
+        release = ReleasePlanner(model, topology=topology)
     try:
         planners = {
-            name: Planner(
+            name: release
+            if name == RELEASE_POLICY
+            else Planner(
                 model,
                 world=args.world,
                 ranks_per_node=args.ranks_per_node,
@@ -284,9 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.step_delay:
             time.sleep(args.step_delay)
 
-    runs, bounds = replay(batches, planners, progress=progress, on_plan=on_plan)
+    try:
+        runs, bounds = replay(batches, planners, progress=progress, on_plan=on_plan)
+    except RuntimeError as exc:  # the release's child process: absent megatron-core, a failure
+        parser.error(str(exc))
+    finally:
+        if release is not None:
+            release.close()
     bar.close()
     summary = summarise(runs, bounds)
+    if release is not None:
+        summary["overflow"] = {RELEASE_POLICY: overflow_summary(release.overflows)}
     report = {
         "config": {
             "dataset": str(path),
@@ -328,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(_latency_note(args.time_limit))
     print(format_table(summary))
+    if release is not None:
+        o = summary["overflow"][RELEASE_POLICY]
+        print(
+            f"{RELEASE_POLICY} over capacity: {o['steps_over']}/{o['steps']} steps with a "
+            f"sub-sample over (max {o['max_ratio']:.2f}x), {o['steps_packed_over']}/{o['steps']} "
+            f"with a rank's round over (max {o['max_rank_round_ratio']:.2f}x)"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}", file=sys.stderr, flush=True)

@@ -167,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: all; "
-        f"{HYBRID_POLICY} only with --head-sizes)",
+        help=f"comma-separated subset of megatron-core,{','.join(ALL_POLICIES)} (default: all "
+        f"but megatron-core; {HYBRID_POLICY} only with --head-sizes). megatron-core: the released "
+        "megatron-core 0.16.1 BalancedCPScheduler, what Megatron-LM users run today (needs "
+        "dyncp[megatron]); megatron: Megatron-LM's dev-branch packing-aware greedy",
     )
     p.add_argument(
         "--head-sizes",

@@ -33,13 +33,17 @@ import torch.multiprocessing as mp
 __all__ = ["CountingStore", "SpawnError", "run_gloo", "start_ranks"]
 
 # What the forkserver imports once, before it forks any rank (a name that fails to import is
-# skipped by multiprocessing): torch and the parts of dyncp that workers use.
+# skipped by multiprocessing): torch and the parts of dyncp that workers use, and megatron-core's
+# dynamic-CP path when the megatron extra is installed (five seconds of CPU per rank otherwise,
+# 8 ranks in tests/multirank/test_megatron.py; once here).
 _PRELOAD = (
     "torch",
     "torch.distributed",
     "dyncp.testing.distributed",
     "dyncp.planner",
     "dyncp.runtime",
+    "megatron.core.datasets.data_schedule",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 _COMM = re.compile(r"connectFullMesh|Connection (closed|reset)|timed out|Timed out", re.IGNORECASE)

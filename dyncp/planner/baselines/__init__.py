@@ -4,7 +4,8 @@ Modules:
 
 - ``static``: static CP and batch-adaptive CP;
 - ``dp_balanced``: Megatron Core's ``dp_balanced`` packing at one CP size;
-- ``megatron``: Megatron Core's dynamic-CP scheduler;
+- ``megatron``: Megatron-LM's dev-branch packing-aware dynamic-CP greedy (not in a release);
+- ``megatron_core``: megatron-core's released schedule format read as a plan and written from one;
 - ``megatron_min_cp``: Megatron Core's first dynamic-CP scheduler (every sequence at its minimum);
 - ``candidates``: the baselines built as candidates of the dyncp policies;
 - ``pipeline``: Megatron dev's dynamic CP with PP and static CP with PP (pipelined plans).

@@ -12,7 +12,7 @@ dp-balanced 0.01, static 0.35, batch-adaptive 0.9, megatron 1.5):
 - ``dp-balanced`` and ``static``: the one CP size that holds ``max_length`` (the planner's
   longest admitted document; without one, the batch's longest sequence);
 - ``batch-adaptive``: the fastest single CP size for this batch;
-- ``megatron``: dyncp's model of Megatron Core's dynamic-CP scheduler.
+- ``megatron``: dyncp's model of Megatron-LM's dev-branch dynamic-CP greedy.
 
 With a wall-clock deadline a baseline is built only when its estimated build time fits before
 the deadline (the estimate: its last measured build time per sequence, or

@@ -1,7 +1,10 @@
-"""The Megatron Core dynamic-CP scheduler, re-implemented as a baseline.
+"""Megatron-LM's dev-branch dynamic-CP greedy (packing-aware), re-implemented as a baseline.
 
-Behaviour follows Megatron Core's packing-aware dynamic-CP greedy (``next_hdp_group_packing_aware``
-in megatron/core/datasets/data_schedule_utils.py); the code is dyncp's own. Per wave (Megatron: one
+Behaviour follows the dev branch's packing-aware dynamic-CP greedy (``next_hdp_group_packing_aware``
+in megatron/core/datasets/data_schedule_utils.py); the code is dyncp's own. It is not the
+scheduler of any megatron-core release: megatron-core 0.16.1 ships ``BalancedCPScheduler``, run
+itself by the simulator's ``megatron-core`` policy (``dyncp.sim.release``). The policy keeps its
+name ``megatron`` so that reports, commands and plan digests stay valid. Per wave (Megatron: one
 "DCP micro-batch"):
 
 1. sequences are taken longest first; the longest remaining opens a group at its minimum CP size

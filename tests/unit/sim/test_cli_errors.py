@@ -23,6 +23,7 @@ CASES = [
     (["--steps", "0"], "argument --steps"),
     (["--seed", "-1"], "argument --seed"),
     (["--policies", "static,fifo"], "--policies 'static,fifo': choose from"),
+    (["--policies", "megatron-core", "--pp", "2"], "megatron-core with --pp: the release's"),
     (["--policies", "dyncp-hybrid"], "give --head-sizes beyond 1, such as --head-sizes 1,2,4,8"),
     (["--head-sizes", "1,x"], "argument --head-sizes"),
     (["--head-sizes", "1,128"], "--head-sizes 1,128: [128] exceed the largest group"),
