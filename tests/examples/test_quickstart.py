@@ -28,8 +28,9 @@ def test_the_quickstart_runs_as_written() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", "29571", str(SCRIPT)]
+    # --standalone: torchrun picks a free port (a fixed one collides with any other job on it)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    command += ["2", str(SCRIPT)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
