@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.control.agreement import AgreementGroup, PendingAgreement
+from dyncp.control.agreement import AgreementGroup, PendingAgreement, PlanUnusable
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
 from dyncp.control.signing import RUN_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
@@ -54,6 +54,7 @@ class _Prepared:
     wait: float
     digest: int
     agreement: PendingAgreement | None
+    unavailable: SliceUnavailable | None = None  # this rank's slice could not be used
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,30 +327,38 @@ class DynamicCPSampler:
         else:
             try:
                 fetched = self._source.fetch(epoch, step)
-            except SliceUnavailable as exc:  # the others hold theirs: make them all raise
+            except SliceUnavailable as exc:  # said in the comparison: all fall back alike
                 if self.agreement is None:
                     raise
                 unavailable = exc
         wait = time.perf_counter() - start
-        if unavailable is not None:
-            digest = unavailable.digest ^ 1  # a digest no rank holding its slice has
+        code = 0
+        if unavailable is not None:  # the header's digest, and why this rank cannot run it
+            digest, code = unavailable.digest, 1 if unavailable.missing else 2
+            fetched = Fetched(None, "fallback", "rejected", False)  # type: ignore[arg-type]
         else:
             plan = fetched.plan
             digest = plan.digest if isinstance(plan, PlanSlice) else plan_digest(plan)
         pending = None
         if self.agreement is not None:
             label = f"epoch {epoch} step {step}"
-            pending = self.agreement.start(where=(epoch, step), digest=digest, label=label)
-        if unavailable is not None:
-            assert pending is not None
-            pending.result()  # raises PlanMismatchError on every rank, naming this one
-            raise unavailable
-        return _Prepared(fetched, wait, digest, pending)
+            pending = self.agreement.start(
+                where=(epoch, step), digest=digest, label=label, unusable=code
+            )
+        return _Prepared(fetched, wait, digest, pending, unavailable)
 
     def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
-        """Wait for the step's comparison (raises on a mismatch), then its micro-batches."""
-        if prepared.agreement is not None:
-            prepared.agreement.result()
+        """Wait for the step's comparison (raises on a mismatch), then its micro-batches.
+
+        When every rank holds the same header but some cannot use their slices, every rank
+        is told so by the comparison (:class:`PlanUnusable`, the same on all) and runs its
+        slice of the deterministic fallback plan of the step instead, as with a rejected
+        whole plan; the slice error is logged, naming the ranks and why."""
+        try:
+            if prepared.agreement is not None:
+                prepared.agreement.result()
+        except PlanUnusable as exc:
+            prepared = self._slice_fallback(epoch, step, prepared, str(exc))
         fetched, wait, digest = prepared.fetched, prepared.wait, prepared.digest
         plan = fetched.plan
         batches = rank_microbatches(
@@ -368,6 +377,15 @@ class DynamicCPSampler:
         if self.on_step is not None:
             self.on_step(plan, info)
         return batches
+
+    def _slice_fallback(self, epoch: int, step: int, prepared: _Prepared, why: str) -> _Prepared:
+        """Every rank's slice of the step's deterministic fallback (see :meth:`_finish`)."""
+        own = f"; here: {prepared.unavailable}" if prepared.unavailable is not None else ""
+        log.warning("%s: every rank runs the fallback plan%s", why, own)
+        assert isinstance(self._source, StorePlans)
+        mine = self._source.client.fallback_slice(epoch, step)
+        fetched = Fetched(mine, "fallback", "rejected", prepared.fetched.ready)
+        return _Prepared(fetched, prepared.wait, mine.digest, None)
 
     def _remember(self, epoch: int, step: int, plan: StepPlan) -> None:
         self._recent[(epoch, step)] = plan

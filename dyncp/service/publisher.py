@@ -215,9 +215,12 @@ class PlanService:
     def publish(self, epoch: int, step: int) -> bool:
         """Plan one step and offer it; True when it became the step's decision."""
         self._done.add((epoch, step))
+        key = step_key(self.prefix, epoch, step)
+        if self.store.check([key]):  # decided already (a restart reads its steps again): its
+            self.counters.late += 1  # slices must stay the ones the decision committed to
+            return False
         ids, lengths = self.source.batch(epoch, step)
         start = time.perf_counter()
-        key = step_key(self.prefix, epoch, step)
         records: list[bytes] = []
         try:
             plan = plan_batch(self.planner, ids, lengths, budget=self.budget)
