@@ -19,7 +19,7 @@ import numpy as np
 
 from dyncp.control.agreement import AgreementGroup, PendingAgreement, PlanUnusable
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
-from dyncp.control.signing import RUN_ENV, PlanSigner
+from dyncp.control.signing import RUN_ENV, SECRET_ENV, SECRET_FILE_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data.schedule import BatchSchedule
 from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
@@ -80,14 +80,32 @@ def _agreement(
     return AgreementGroup(group, store=store)
 
 
-def _run_id(given: str | None, agreement: AgreementGroup | None, serves: bool) -> str:
-    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`)."""
+def _run_id(
+    given: str | None, agreement: AgreementGroup | None, serves: bool, secret: object
+) -> str:
+    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`).
+
+    With a secret and no rank serving (a standalone ``python -m dyncp.service``), a run id is
+    required: one the service cannot know cannot be drawn here, and without one the records
+    are bound to no run, so an earlier run's records replay. Every rank raises the same error
+    at construction rather than fall back at every step.
+
+    Raises:
+        ValueError: a secret is set, nobody serves in-process and no run id was given.
+    """
     if given is not None:
         return given
     if os.environ.get(RUN_ENV):
         return os.environ[RUN_ENV]
-    if agreement is not None and agreement.any(serves):
+    anyone = agreement.any(serves) if agreement is not None else serves
+    if anyone and agreement is not None:
         return agreement.derive("plan-service run")
+    signed = secret is not None or os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+    if signed and not anyone:
+        raise ValueError(
+            "plans are signed but no rank serves them and no run_id is set: give run_id= (or "
+            f"${RUN_ENV}) on every rank and the same --run-id to python -m dyncp.service"
+        )
     return ""
 
 
@@ -197,7 +215,7 @@ class DynamicCPSampler:
             )
         else:
             serves = config.rank == 0 if config.serve is None else bool(config.serve)
-            self.run_id = _run_id(config.run_id, self.agreement, serves)
+            self.run_id = _run_id(config.run_id, self.agreement, serves, config.secret)
             signer = None
             if calibrate is not False:
                 signer = PlanSigner.from_env(config.secret, run=self.run_id)

@@ -20,12 +20,14 @@ pricing plans with it (readers' fallbacks name the version they use), and with
 
 Plans are signed with the job's secret when ``DYNCP_PLAN_SECRET`` (or ``DYNCP_PLAN_SECRET_FILE``)
 is set, as on every rank, and bound to the run given by ``--run-id`` (default
-``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``. A startup error (bad option, dataset,
-profile, unreachable store, or a port that accepts connections but does not answer like a
-TCPStore within ``--connect-timeout``) is one line on stderr and exit status 2 -- torch's own
-connection warnings are held back while connecting; SIGINT/SIGTERM stop the connecting too
-(status 130). If the Store or the planning thread dies while serving, one line says why and the
-exit status is 1.
+``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``; with a secret the run id is required
+(a startup error without one), as it is on the ranks when none of them serves. ``--slices``
+publishes a slice header and one slice per rank, for readers with ``slices=True``. A startup
+error (bad option, dataset, profile, unreachable store, or a port that accepts connections but
+does not answer like a TCPStore within ``--connect-timeout``) is one line on stderr and exit
+status 2 -- torch's own connection warnings are held back while connecting; SIGINT/SIGTERM
+stop the connecting too (status 130). If the Store or the planning thread dies while serving,
+one line says why and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from dyncp.control.model_channel import ServiceCalibration
+from dyncp.control.signing import PlanSigner
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data import OVERLONG, BatchSchedule
@@ -163,6 +166,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("DYNCP_RUN_ID", ""),
         help="the ranks' run_id (default $DYNCP_RUN_ID): records are bound to it",
     )
+    p.add_argument(
+        "--slices",
+        action="store_true",
+        help="publish a slice header and one slice per rank (the readers' slices=True)",
+    )
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
     p.add_argument("--refit-every", type=int, default=4, help="steps between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
@@ -276,6 +284,12 @@ def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:
 
 
 def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
+    if PlanSigner.from_env().authenticated and not args.run_id:
+        raise StartupError(
+            "plans are signed but no --run-id (or $DYNCP_RUN_ID) is given: records bound to no "
+            "run are rejected by ranks bound to one, and an earlier run's would replay; give "
+            "the ranks' run_id"
+        )
     model = CostModel.load(args.profile, ranks_per_node=args.ranks_per_node)
     topology = Topology(args.world, args.ranks_per_node, args.capacity)
     planner = Planner(
@@ -320,6 +334,7 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         lookahead=args.lookahead,
         calibration=calibration,
         run_id=args.run_id,
+        slices=args.slices,
         budget=budget,
     )
     service.start()

@@ -35,7 +35,7 @@ from dyncp.control.signing import (
     is_fallback,
 )
 from dyncp.cost_model import CostModel
-from dyncp.plan import PlanError
+from dyncp.plan import PlanError, PlanSlice
 from dyncp.planner import Planner
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import (
@@ -103,7 +103,9 @@ def read_all(reader: PlanClient, steps: int, pause: float = 0.0) -> list:
     out = []
     for step in range(steps):
         fetched = reader.fetch(0, step)
-        out.append((plan_digest(fetched.plan), fetched.source, fetched.reason, fetched.ready))
+        plan = fetched.plan
+        digest = plan.digest if isinstance(plan, PlanSlice) else plan_digest(plan)
+        out.append((digest, fetched.source, fetched.reason, fetched.ready))
         time.sleep(pause)
     return out
 
@@ -299,7 +301,9 @@ def test_samplers_in_store_mode_share_the_service_plans(master) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> None:
+@pytest.mark.parametrize("slices", [False, True])
+def test_serve_command_runs_the_service_standalone(master, tmp_path: Path, slices: bool) -> None:
+    """With --slices the readers of slices get the service's plans (they rejected every step)."""
     lengths = make_lengths(seed=5)
     np.save(tmp_path / "lengths.npy", lengths)
     cmd = [
@@ -326,7 +330,9 @@ def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> No
         "0.05",
         "--duration",
         str(HANG_SECONDS),
+        *(["--slices", "--prefix", "cli-slices"] if slices else []),
     ]
+    prefix = "cli-slices" if slices else "cli"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         schedule = make_schedule(lengths)
@@ -334,9 +340,10 @@ def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> No
             client(master),
             source=schedule,
             planner=make_planner(),
-            prefix="cli",
+            prefix=prefix,
             rank=0,
             deadline=HANG_SECONDS / 2,
+            slices=slices,
         )
         got = read_all(reader, schedule.num_steps(0))
     finally:
@@ -784,6 +791,16 @@ def test_serve_startup_errors_are_one_line(
     assert status == 2
     assert len(err) == 1 and err[0].startswith("dyncp.service.cli: error: "), err
     assert expected in err[0], err
+
+
+def test_serve_with_a_secret_needs_a_run_id(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("DYNCP_PLAN_SECRET", SECRET.decode())
+    monkeypatch.delenv("DYNCP_RUN_ID", raising=False)
+    np.save(tmp_path / "lengths.npy", make_lengths())
+    status = serve_main(_serve("--dataset", str(tmp_path / "lengths.npy"), "--port", "9"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "plans are signed but no --run-id (or $DYNCP_RUN_ID) is given" in err[0], err
 
 
 def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
