@@ -180,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="dyncp.service.cli: %(message)s")
+    # The service's own line when its thread stops: main prints the one line that says so.
+    logging.getLogger("dyncp.service.publisher").addFilter(
+        lambda record: not record.getMessage().startswith("plan service stopped")
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -193,15 +197,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     end = None if not args.duration else time.monotonic() + args.duration
     status = 0
-    while not stop.wait(WATCH_SECONDS):
-        if not service.alive:
-            why = service.failure or "the planning thread stopped"
-            print(f"dyncp.service.cli: error: stopped serving: {_one_line(why)}", file=sys.stderr)
-            status = 1
-            break
-        if end is not None and time.monotonic() >= end:
-            break
-    service.stop()
+    with _python_stderr_only():
+        while not stop.wait(WATCH_SECONDS):
+            if not service.alive:
+                why = service.failure or "the planning thread stopped"
+                print(
+                    f"dyncp.service.cli: error: stopped serving: {_one_line(why)}", file=sys.stderr
+                )
+                status = 1
+                break
+            if end is not None and time.monotonic() >= end:
+                break
+        service.stop()
     print(f"dyncp.service.cli: {service.counters}", flush=True)
     calibration = service.calibration
     if calibration is not None:
@@ -246,6 +253,36 @@ def _held_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@contextlib.contextmanager
+def _python_stderr_only() -> Iterator[None]:
+    """While serving: what Python writes to stderr (our one-line errors, logging) still goes
+    there; what C++ writes to file descriptor 2 does not (a dead Store makes torch's client log
+    a dozen lines of retries and stack frames, after which we print the one line that counts)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python = open(saved, "w", buffering=1, closefd=False)  # noqa: SIM115 - closed below
+    old = sys.stderr
+    handlers = [
+        h for h in logging.getLogger().handlers
+        if isinstance(h, logging.StreamHandler) and h.stream is old
+    ]  # fmt: skip
+    try:
+        with open(os.devnull, "wb") as sink:
+            os.dup2(sink.fileno(), 2)
+            sys.stderr = python
+            for h in handlers:
+                h.setStream(python)
+            yield
+    finally:
+        python.flush()
+        sys.stderr = old
+        for h in handlers:
+            h.setStream(old)
+        os.dup2(saved, 2)
+        os.close(saved)
+        python.close()
 
 
 def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:

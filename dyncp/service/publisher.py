@@ -169,7 +169,7 @@ class PlanService:
                     self.publish(*todo)
         except Exception as exc:  # the Store (or its connection) failed: nothing left to serve
             self.failure = exc
-            log.error("plan service stopped: %s", exc)
+            log.error("plan service stopped: %s", (str(exc).splitlines() or [repr(exc)])[0])
 
     def _next_target(self) -> tuple[int, int] | None:
         cursor = self._read_cursor()

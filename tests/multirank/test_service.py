@@ -812,7 +812,10 @@ def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.timeout(120)
 def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
+    """One line on stderr, nothing else (torch's client logs a dozen lines when its Store dies;
+    signed, so that no unauthenticated-channel warning is printed at start)."""
     np.save(tmp_path / "lengths.npy", make_lengths())
+    env = {**os.environ, "DYNCP_PLAN_SECRET": SECRET.decode(), "DYNCP_RUN_ID": "run-1"}
     store_proc = subprocess.Popen(
         [sys.executable, "-c", _MASTER], stdout=subprocess.PIPE, text=True
     )
@@ -824,6 +827,7 @@ def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         assert "dyncp.service.cli:" in serve.stdout.readline()  # serving
         store_proc.kill()
@@ -832,8 +836,8 @@ def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
     finally:
         store_proc.kill()
     assert serve.returncode == 1, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1 and "stopped serving" in lines[0], err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error: stopped serving" in lines[0], err
 
 
 _MASTER = """
