@@ -119,7 +119,7 @@ class PlanClient:
         key = step_key(self.prefix, epoch, step)
         ids, lengths = self.source.batch(epoch, step)
         if self.rank == 0:  # one writer: the service follows rank 0
-            cursor = cursor_key(self.prefix)
+            cursor = self.signer.private_key(cursor_key(self.prefix))
             self.store.set(cursor, self.signer.seal(cursor, cursor_value(epoch, step)))
         ready = self.store.check([key])
         if ready:

@@ -8,7 +8,10 @@ it runs over a ``torch.distributed.Store`` (the job's TCPStore); no process grou
 Store protocol (keys under ``dyncp/<prefix>/``)::
 
     cursor              "<epoch> <step>": written by reader rank 0 (one writer) when it starts
-                        needing a step, sealed like the plans
+                        needing a step, sealed like the plans; with a secret at
+                        ``cursor-<tag>``, a name only holders of the secret can compute
+                        (``PlanSigner.private_key``), so that a client rewriting the cursor
+                        cannot hide rank 0's from the service
     e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
                         the plan JSON (by the service) or FALLBACK (by a reader whose deadline
                         passed first), sealed with the job's secret and run

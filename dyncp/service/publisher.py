@@ -180,7 +180,7 @@ class PlanService:
         return next((t for t in targets if t not in self._done), None)
 
     def _read_cursor(self) -> tuple[int, int] | None:
-        key = cursor_key(self.prefix)
+        key = self.signer.private_key(cursor_key(self.prefix))
         if not self.store.check([key]):
             return self._cursor
         raw = self.store.get(key)

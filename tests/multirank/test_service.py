@@ -517,9 +517,10 @@ def test_bad_cursors_are_counted_and_the_service_keeps_serving(master) -> None:
     service = PlanService(
         client(master), source=schedule, planner=make_planner(), prefix="cur", secret=SECRET
     )
+    key = service.signer.private_key("dyncp/cur/cursor")  # the key rank 0 writes, here
     with service:
         for bad in (b"abc", b"", b"1 2 3", b"-1 0", b"0 x", b"9" * 40 + b" 0"):
-            master.set("dyncp/cur/cursor", bad)
+            master.set(key, bad)
             time.sleep(0.02)
         assert service.alive and service.counters.bad_cursors >= 1
         reader = PlanClient(
@@ -599,8 +600,43 @@ def test_a_forged_cursor_far_ahead_costs_no_step(master, secret: bytes | None) -
     master.set("dyncp/jump/cursor", b"0 60")
     if secret is None:
         assert service._read_cursor() == (0, 60)  # followed until rank 0 writes again
-    else:
-        assert service._read_cursor() == before and service.counters.bad_cursors >= 1
+    else:  # the cursor lives at a key the forger cannot name: the value is never read
+        assert service._read_cursor() == before and service.counters.bad_cursors == 0
+        key = service.signer.private_key("dyncp/jump/cursor")
+        master.set(key, b"0 60")  # unsigned, at the right key: refused
+        assert service._read_cursor() == before and service.counters.bad_cursors == 1
+
+
+def test_a_cursor_rewritten_every_10_ms_costs_no_step_with_a_secret(master) -> None:
+    """A client writes "abc" at the cursor every 10 ms while the readers run 10 steps: with a
+    secret rank 0's cursor is at a key the client cannot name, so the service follows it."""
+    schedule = make_schedule(make_lengths(400))
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.wait(0.01):
+            master.set("dyncp/abc/cursor", b"abc")
+
+    attacker = threading.Thread(target=rewrite, daemon=True)
+    with PlanService(
+        client(master), source=schedule, planner=make_planner(), prefix="abc", secret=SECRET
+    ):
+        attacker.start()
+        reader = PlanClient(
+            client(master),
+            source=schedule,
+            planner=make_planner(),
+            prefix="abc",
+            rank=0,
+            deadline=HANG_SECONDS / 4,
+            secret=SECRET,
+        )
+        try:
+            got = [read_all_from(reader, step) for step in range(10)]
+        finally:
+            stop.set()
+            attacker.join()
+    assert [g[1] for g in got] == ["service"] * 10, got
 
 
 def read_all_from(reader: PlanClient, step: int) -> tuple:
@@ -697,7 +733,7 @@ def test_a_bad_cursor_rewritten_every_few_ms_logs_one_line(master, caplog) -> No
     with (
         caplog.at_level("WARNING", logger="dyncp.service"),
         PlanService(
-            client(master), source=schedule, planner=make_planner(), prefix="noisy", secret=SECRET
+            client(master), source=schedule, planner=make_planner(), prefix="noisy", secret=None
         ) as service,
     ):
         for _ in range(100):
