@@ -47,7 +47,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from dyncp.control.model_channel import ServiceCalibration
-from dyncp.control.signing import PlanSigner
+from dyncp.control.signing import SECRET_ENV, SECRET_FILE_ENV, PlanSigner
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data import OVERLONG, BatchSchedule
@@ -321,7 +321,8 @@ def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:
 
 
 def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
-    if PlanSigner.from_env().authenticated and not args.run_id:
+    signed = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+    if signed and not args.run_id:
         raise StartupError(
             "plans are signed but no --run-id (or $DYNCP_RUN_ID) is given: records bound to no "
             "run are rejected by ranks bound to one, and an earlier run's would replay; give "
@@ -360,8 +361,12 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         calibrator = OnlineCalibrator(
             model.profile, ranks_per_node=args.ranks_per_node, refit_every=args.refit_every
         )
-        calibration = ServiceCalibration(
-            store, args.prefix, calibrator, save_path=args.save_profile
+        calibration = ServiceCalibration(  # versions bound to the run, as the plans
+            store,
+            args.prefix,
+            calibrator,
+            save_path=args.save_profile,
+            signer=PlanSigner.from_env(run=args.run_id),
         )
     service = PlanService(
         store,

@@ -523,15 +523,7 @@ def test_bad_cursors_are_counted_and_the_service_keeps_serving(master) -> None:
             master.set(key, bad)
             time.sleep(0.02)
         assert service.alive and service.counters.bad_cursors >= 1
-        reader = PlanClient(
-            client(master),
-            source=schedule,
-            planner=make_planner(),
-            prefix="cur",
-            rank=0,
-            deadline=HANG_SECONDS / 2,
-            secret=SECRET,
-        )
+        reader = PlanClient(client(master), **_signed_reader(schedule, "cur", HANG_SECONDS / 2))
         got = read_all(reader, 3)
     assert [g[1] for g in got] == ["service"] * 3
     assert service.counters.errors == service.counters.bad_cursors > 0
@@ -607,6 +599,18 @@ def test_a_forged_cursor_far_ahead_costs_no_step(master, secret: bytes | None) -
         assert service._read_cursor() == before and service.counters.bad_cursors == 1
 
 
+def _signed_reader(schedule, prefix: str, deadline: float = HANG_SECONDS / 4) -> dict:
+    """The options of a signed reader rank 0 of ``prefix``."""
+    return dict(
+        source=schedule,
+        planner=make_planner(),
+        prefix=prefix,
+        rank=0,
+        deadline=deadline,
+        secret=SECRET,
+    )
+
+
 def test_a_cursor_rewritten_every_10_ms_costs_no_step_with_a_secret(master) -> None:
     """A client writes "abc" at the cursor every 10 ms while the readers run 10 steps: with a
     secret rank 0's cursor is at a key the client cannot name, so the service follows it."""
@@ -622,15 +626,7 @@ def test_a_cursor_rewritten_every_10_ms_costs_no_step_with_a_secret(master) -> N
         client(master), source=schedule, planner=make_planner(), prefix="abc", secret=SECRET
     ):
         attacker.start()
-        reader = PlanClient(
-            client(master),
-            source=schedule,
-            planner=make_planner(),
-            prefix="abc",
-            rank=0,
-            deadline=HANG_SECONDS / 4,
-            secret=SECRET,
-        )
+        reader = PlanClient(client(master), **_signed_reader(schedule, "abc"))
         try:
             got = [read_all_from(reader, step) for step in range(10)]
         finally:
