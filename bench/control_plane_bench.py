@@ -21,9 +21,10 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    sampler's agreement); and with slices (``dyncp.plan.slice``): bytes a rank reads (header +
    its slice), the CPU to decode the header and check its slice, all slices' bytes against the
    plan's JSON, and the maker's time to cut the plan.
-   ``--policy dyncp`` plans those batches with the dyncp Planner (CP-SAT off) instead, and
-   also times the plan service's deterministic fallback (``service.fallback_planner``: what
-   every rank computes inside its step when no plan is published).
+   ``--policy dyncp`` plans those batches with the dyncp Planner (CP-SAT off) instead;
+   ``--fallback`` also times the plan service's deterministic fallback on them
+   (``service.fallback_planner``: what every rank computes inside its step when no plan is
+   published).
    ``--defaults``: Store requests per reader per step with the sampler's defaults (whole plans,
    and slices), counted at a counting Store in one process (they do not depend on N), and the
    collectives per step of the defaults (the sampler's agreement and ``execute(agree=True)``).
@@ -195,18 +196,23 @@ def _plan_at(
     world: int, rng: np.random.Generator, raw: np.ndarray, policy: str = "megatron"
 ) -> tuple[StepPlan, dict]:
     """A plan of one global batch of 2 x world x 8,192 tokens (megatron policy, or the dyncp
-    Planner's), and for dyncp the planner's and the deterministic fallback's seconds."""
+    Planner's, with its seconds)."""
     lengths = _batch_at(world, rng, raw)
     if policy == "megatron":
         return megatron_plan(lengths, Topology(world, 8, 8192)), {}
     planner = _planner_at(world)
     t0 = time.perf_counter()
     plan = planner.plan(lengths)
-    planned = time.perf_counter() - t0
-    fallback = fallback_planner(planner)
+    return plan, {"plan_seconds": time.perf_counter() - t0, "lengths": lengths}
+
+
+def fallback_seconds(world: int, lengths: np.ndarray) -> float:
+    """Seconds of the plan service's deterministic fallback (what every rank computes in its
+    step when no plan is published) on one batch."""
+    fallback = fallback_planner(_planner_at(world))
     t0 = time.perf_counter()
     fallback.plan(lengths)
-    return plan, {"plan_seconds": planned, "fallback_seconds": time.perf_counter() - t0}
+    return time.perf_counter() - t0
 
 
 def _seconds(fn, repeats: int = 3) -> float:
@@ -261,13 +267,18 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
     return row
 
 
-def offline(worlds: list[int], policy: str = "megatron") -> dict[int, dict]:
+def offline(worlds: list[int], policy: str = "megatron", fallback: bool = False) -> dict[int, dict]:
     raw = load_lengths(resolve_dataset("wikipedia"))
     rng = np.random.default_rng(0)
     out = {}
     for world in worlds:
         plan, times = _plan_at(world, rng, raw, policy)
         out[world] = {**_per_rank_cpu(plan), **times}
+        _print_offline({world: out[world]}, policy)
+    if policy == "dyncp" and fallback:
+        for world in worlds:
+            seconds = fallback_seconds(world, out[world].pop("lengths"))
+            print(f"  {world:6d} ranks: the deterministic fallback planned in {seconds:.2f} s")
     return out
 
 
@@ -342,6 +353,7 @@ def main() -> None:
     p.add_argument("--offline", action="store_true", help="per-rank CPU at 4,096 and 16,384")
     p.add_argument("--policy", choices=("megatron", "dyncp"), default="megatron")
     p.add_argument("--defaults", action="store_true", help="Store requests of the defaults")
+    p.add_argument("--fallback", action="store_true", help="time the deterministic fallback")
     p.add_argument("--no-processes", action="store_true", help="skip part 1 (and the model)")
     args = p.parse_args()
     if args.defaults:
@@ -354,7 +366,7 @@ def main() -> None:
         )
     if args.no_processes:
         if args.offline:
-            _print_offline(offline([4096, 16384], args.policy), args.policy)
+            offline([4096, 16384], args.policy, args.fallback)
         return
     worlds = [int(w) for w in args.worlds.split(",")]
     rows = {w: measure(w, args.iters) for w in worlds}
@@ -375,20 +387,15 @@ def main() -> None:
         shape = "log2 N" if form == "log" else "N"
         print(f"   fit {k}: {a:.0f} + {b:.1f} x {shape} us")
     throughput = float(np.median([rows[w]["store_mb_per_s"] for w in worlds])) * 1e6
-    cpu = offline([4096, 16384], args.policy) if args.offline else {}
-    if cpu:
-        _print_offline(cpu, args.policy)
+    cpu = offline([4096, 16384], args.policy, args.fallback) if args.offline else {}
     _print_model(cpu, fits, throughput)
 
 
 def _print_offline(cpu: dict[int, dict], policy: str) -> None:
-    print(f"2. per-rank CPU per step ({policy} plans, Wikipedia lengths):")
+    print(f"2. per-rank CPU per step ({policy} plans, Wikipedia lengths):", flush=True)
     for w, r in cpu.items():
-        if "fallback_seconds" in r:
-            print(
-                f"  {w:6d} ranks: planned in {r['plan_seconds']:.2f} s; the deterministic "
-                f"fallback (every rank, in its step) in {r['fallback_seconds']:.2f} s"
-            )
+        if "plan_seconds" in r:
+            print(f"  {w:6d} ranks: planned in {r['plan_seconds']:.2f} s", flush=True)
         print(
             f"  {w:6d} ranks: {r['sequences']} sequences, JSON {r['json_bytes'] / 1e6:.2f} MB;"
             f" decode {r['decode'] * 1e3:.0f} ms, digest {r['digest'] * 1e3:.0f} ms, validate"
