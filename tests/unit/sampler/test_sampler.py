@@ -232,7 +232,7 @@ def test_signed_plans_from_a_standalone_service_need_a_run_id(monkeypatch) -> No
     import torch.distributed as dist
 
     monkeypatch.delenv("DYNCP_RUN_ID", raising=False)
-    lengths = make_lengths(50, seed=0)
+    lengths = make_lengths(50, seed=0, longest=CAPACITY)
     planner = make_planner(1)
     options = dict(world_size=1, rank=0, capacity=CAPACITY, planner=planner, global_batch_size=8)
     store = dist.HashStore()
