@@ -21,6 +21,13 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    sampler's agreement); and with slices (``dyncp.plan.slice``): bytes a rank reads (header +
    its slice), the CPU to decode the header and check its slice, all slices' bytes against the
    plan's JSON, and the maker's time to cut the plan.
+   ``--policy dyncp`` plans those batches with the dyncp Planner (CP-SAT off) instead;
+   ``--fallback`` also times the plan service's deterministic fallback on them
+   (``service.fallback_planner``: what every rank computes inside its step when no plan is
+   published).
+   ``--defaults``: Store requests per reader per step with the sampler's defaults (whole plans,
+   and slices), counted at a counting Store in one process (they do not depend on N), and the
+   collectives per step of the defaults (the sampler's agreement and ``execute(agree=True)``).
 3. The model: each collective's latency fitted as a + b log2 N and as a + b N (least squares
    over the measured N; the better fit is used), the Store as a server of fixed throughput;
    per step: agreement + waves x exchange (before) or agreement (after), plus every rank
@@ -48,12 +55,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dyncp.control.agreement import PendingAgreement
-from dyncp.data import load_lengths, resolve_dataset
+from dyncp.cost_model import CostModel
+from dyncp.data import BatchSchedule, load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
 from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
+from dyncp.planner import Planner
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
 from dyncp.runtime.executor import check_against_pool
+from dyncp.service import PlanClient, PlanService, fallback_planner
 from dyncp.testing.distributed import CountingStore
 
 STEP_SECONDS = 5.0  # the step the overhead is compared with
@@ -170,12 +180,39 @@ def measure(world: int, iters: int) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def _plan_at(world: int, rng: np.random.Generator, raw: np.ndarray) -> StepPlan:
-    """A megatron-policy plan of one global batch of 2 x world x 8,192 tokens."""
+def _batch_at(world: int, rng: np.random.Generator, raw: np.ndarray) -> np.ndarray:
+    """One global batch of 2 x world x 8,192 tokens of the sample's lengths."""
     tokens = 2 * world * 8192
     lengths = np.minimum(raw[rng.integers(0, len(raw), 4 * tokens // 300)], 65536)
-    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
-    return megatron_plan(lengths, Topology(world, 8, 8192))
+    return lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+
+
+def _planner_at(world: int) -> Planner:
+    model = CostModel.load("h100-reference", ranks_per_node=8)
+    return Planner(model, world=world, ranks_per_node=8, capacity=8192, cpsat=None)
+
+
+def _plan_at(
+    world: int, rng: np.random.Generator, raw: np.ndarray, policy: str = "megatron"
+) -> tuple[StepPlan, dict]:
+    """A plan of one global batch of 2 x world x 8,192 tokens (megatron policy, or the dyncp
+    Planner's, with its seconds)."""
+    lengths = _batch_at(world, rng, raw)
+    if policy == "megatron":
+        return megatron_plan(lengths, Topology(world, 8, 8192)), {}
+    planner = _planner_at(world)
+    t0 = time.perf_counter()
+    plan = planner.plan(lengths)
+    return plan, {"plan_seconds": time.perf_counter() - t0, "lengths": lengths}
+
+
+def fallback_seconds(world: int, lengths: np.ndarray) -> float:
+    """Seconds of the plan service's deterministic fallback (what every rank computes in its
+    step when no plan is published) on one batch."""
+    fallback = fallback_planner(_planner_at(world))
+    t0 = time.perf_counter()
+    fallback.plan(lengths)
+    return time.perf_counter() - t0
 
 
 def _seconds(fn, repeats: int = 3) -> float:
@@ -230,10 +267,66 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
     return row
 
 
-def offline(worlds: list[int]) -> dict[int, dict]:
+def offline(worlds: list[int], policy: str = "megatron", fallback: bool = False) -> dict[int, dict]:
     raw = load_lengths(resolve_dataset("wikipedia"))
     rng = np.random.default_rng(0)
-    return {world: _per_rank_cpu(_plan_at(world, rng, raw)) for world in worlds}
+    out = {}
+    for world in worlds:
+        plan, times = _plan_at(world, rng, raw, policy)
+        out[world] = {**_per_rank_cpu(plan), **times}
+        _print_offline({world: out[world]}, policy)
+    if policy == "dyncp" and fallback:
+        for world in worlds:
+            seconds = fallback_seconds(world, out[world].pop("lengths"))
+            print(f"  {world:6d} ranks: the deterministic fallback planned in {seconds:.2f} s")
+    return out
+
+
+def defaults_requests(steps: int = 8) -> dict[str, dict[str, float]]:
+    """Store requests per step of reader ranks 0 and 1 with the defaults (whole plans) and with
+    ``slices=True``, the service publishing in the same process before each read; counted over
+    the second half of the steps (in steady state: old keys are being deleted)."""
+    world = 4
+    model = CostModel.load("h100-reference", ranks_per_node=world)
+    planner = Planner(model, world=world, ranks_per_node=world, capacity=1024, cpsat=None)
+    rng = np.random.default_rng(3)
+    schedule = BatchSchedule(
+        np.clip(rng.lognormal(5.5, 1.2, 400).astype(np.int64), 1, 4096),
+        max_length=4096,
+        global_batch_tokens=2 * world * 1024,
+    )
+    out: dict[str, dict[str, float]] = {}
+    for slices in (False, True):
+        base = dist.HashStore()
+        prefix = "slices" if slices else "whole"
+        service = PlanService(
+            base, source=schedule, planner=planner, prefix=prefix, slices=slices, lookahead=0
+        )
+        readers = {
+            r: PlanClient(
+                CountingStore(base),
+                source=schedule,
+                planner=planner,
+                prefix=prefix,
+                rank=r,
+                slices=slices,
+                keep_steps=2,
+            )
+            for r in (0, 1)
+        }
+        counts = {0: 0, 1: 0}
+        for step in range(steps):
+            service.publish(0, step)
+            for r, reader in readers.items():
+                before = reader.store.requests
+                got = reader.fetch(0, step)
+                assert got.source == "service", got
+                if step >= steps // 2:
+                    counts[r] += reader.store.requests - before
+        out["slices" if slices else "whole plans"] = {
+            f"rank {r}": n / (steps - steps // 2) for r, n in counts.items()
+        }
+    return out
 
 
 def _fit(worlds: list[int], us: list[float]) -> tuple[str, float, float]:
@@ -258,7 +351,23 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4,8,16")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--offline", action="store_true", help="per-rank CPU at 4,096 and 16,384")
+    p.add_argument("--policy", choices=("megatron", "dyncp"), default="megatron")
+    p.add_argument("--defaults", action="store_true", help="Store requests of the defaults")
+    p.add_argument("--fallback", action="store_true", help="time the deterministic fallback")
+    p.add_argument("--no-processes", action="store_true", help="skip part 1 (and the model)")
     args = p.parse_args()
+    if args.defaults:
+        print("Store requests per reader per step (with the defaults; N does not matter):")
+        for kind, ranks in defaults_requests().items():
+            print(f"  {kind}: " + ", ".join(f"{r} {n:.2f}" for r, n in ranks.items()))
+        print(
+            "  collectives per step with the defaults: the sampler's agreement (1 all_reduce) +"
+            " execute(agree=True) (1 all_reduce) = 2; execute(agree=False) behind the sampler: 1"
+        )
+    if args.no_processes:
+        if args.offline:
+            offline([4096, 16384], args.policy, args.fallback)
+        return
     worlds = [int(w) for w in args.worlds.split(",")]
     rows = {w: measure(w, args.iters) for w in worlds}
     print(f"1. real gloo processes on this machine ({os.cpu_count()} cores), p50 per step:")
@@ -278,20 +387,28 @@ def main() -> None:
         shape = "log2 N" if form == "log" else "N"
         print(f"   fit {k}: {a:.0f} + {b:.1f} x {shape} us")
     throughput = float(np.median([rows[w]["store_mb_per_s"] for w in worlds])) * 1e6
-    cpu = offline([4096, 16384]) if args.offline else {}
-    if cpu:
-        print("2. per-rank CPU per step (megatron plans, Wikipedia lengths):")
-        for w, r in cpu.items():
-            print(
-                f"  {w:6d} ranks: {r['sequences']} sequences, JSON {r['json_bytes'] / 1e6:.2f} MB;"
-                f" decode {r['decode'] * 1e3:.0f} ms, digest {r['digest'] * 1e3:.0f} ms, validate"
-                f" {r['validate'] * 1e3:.0f} ms, own groups {r['own_check'] * 1e3:.1f} ms ->"
-                f" whole plan before {r['before'] * 1e3:.0f} ms, after {r['after'] * 1e3:.0f} ms;"
-                f" slices: header {r['header_bytes']} B + slice median {r['slice_median']} B /"
-                f" max {r['slice_max']} B, checked in {r['slice_cpu'] * 1e3:.2f} ms (worst of"
-                f" 64 positions); all slices {r['slices_stored'] / r['json_bytes']:.2f}x the"
-                f" plan's JSON; cut once by the maker in {r['cut']:.2f} s"
-            )
+    cpu = offline([4096, 16384], args.policy, args.fallback) if args.offline else {}
+    _print_model(cpu, fits, throughput)
+
+
+def _print_offline(cpu: dict[int, dict], policy: str) -> None:
+    print(f"2. per-rank CPU per step ({policy} plans, Wikipedia lengths):", flush=True)
+    for w, r in cpu.items():
+        if "plan_seconds" in r:
+            print(f"  {w:6d} ranks: planned in {r['plan_seconds']:.2f} s", flush=True)
+        print(
+            f"  {w:6d} ranks: {r['sequences']} sequences, JSON {r['json_bytes'] / 1e6:.2f} MB;"
+            f" decode {r['decode'] * 1e3:.0f} ms, digest {r['digest'] * 1e3:.0f} ms, validate"
+            f" {r['validate'] * 1e3:.0f} ms, own groups {r['own_check'] * 1e3:.1f} ms ->"
+            f" whole plan before {r['before'] * 1e3:.0f} ms, after {r['after'] * 1e3:.0f} ms;"
+            f" slices: header {r['header_bytes']} B + slice median {r['slice_median']} B /"
+            f" max {r['slice_max']} B, checked in {r['slice_cpu'] * 1e3:.2f} ms (worst of"
+            f" 64 positions); all slices {r['slices_stored'] / r['json_bytes']:.2f}x the"
+            f" plan's JSON; cut once by the maker in {r['cut']:.2f} s"
+        )
+
+
+def _print_model(cpu: dict[int, dict], fits: dict, throughput: float) -> None:
     print(
         f"3. model (Store throughput {throughput / 1e6:.0f} MB/s, measured above; plan bytes "
         "from 2 where given, else 100 B per rank):"

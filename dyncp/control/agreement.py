@@ -12,6 +12,12 @@ where an all_gather's bytes grow with it; on the rare path where ranks differ, a
 never arrives makes the others raise :class:`PlanAgreementError` after the group's timeout; with
 an :class:`AgreementGroup` (what the sampler uses) that error names the ranks that did not
 arrive, through a signed failure board (``dyncp.control.failures``) written only on that path.
+
+A rank that holds the step's plan but cannot run its part (its slice of a sliced plan is missing
+or does not verify) says so with ``unusable``, a reason code compared with the rest: every rank
+then raises the same :class:`PlanUnusable`, naming those ranks and their reasons, and the caller
+falls back on every rank alike. A mismatch with no majority (two ranks, or a tie) names no rank:
+the evidence cannot tell which side is wrong, and the message says so.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ __all__ = [
     "PendingAgreement",
     "PlanAgreementError",
     "PlanMismatchError",
+    "PlanUnusable",
+    "UNUSABLE_REASONS",
     "agree",
     "format_digest",
 ]
@@ -67,6 +75,25 @@ class PlanMismatchError(RuntimeError):
         self.digests = tuple(digests)
 
 
+#: What an ``unusable`` code says (codes > 0; 0: the rank can run its part).
+UNUSABLE_REASONS = {1: "its slice is missing", 2: "its slice is malformed or does not verify"}
+
+
+class PlanUnusable(RuntimeError):
+    """Every rank holds the same plan, but some cannot run their part of it (the same error on
+    every rank, so every rank can fall back alike).
+
+    Attributes:
+        ranks: the ranks that cannot run their part.
+        reasons: each one's reason code (``UNUSABLE_REASONS``).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int], reasons: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.reasons = tuple(reasons)
+
+
 def format_digest(digest: int) -> str:
     """A digest as 16 hex digits (the signed int64 read as unsigned)."""
     return f"{digest & (2**64 - 1):016x}"
@@ -83,6 +110,7 @@ class PendingAgreement:
         where, digest, label: see :func:`agree`.
         board: names the ranks that did not arrive when the comparison fails (optional).
         device: where the comparison's tensors live ("cuda" for an NCCL group).
+        unusable: 0, or why this rank cannot run its part of the plan (``UNUSABLE_REASONS``).
     """
 
     def __init__(
@@ -94,11 +122,12 @@ class PendingAgreement:
         label: str,
         board: FailureBoard | None = None,
         device: torch.device | str = "cpu",
+        unusable: int = 0,
     ) -> None:
         self.group, self.label, self.board = group, label, board
         self.ranks = list(dist.get_process_group_ranks(group))
         self._entered, self._entered_wall = time.monotonic(), time.time()
-        self._mine = (*(int(v) for v in where), int(digest))
+        self._mine = (*(int(v) for v in where), int(unusable), int(digest))
         values = torch.tensor(self._mine, dtype=torch.int64)
         self._both = torch.cat([values, torch.bitwise_not(values)]).to(device)
         try:
@@ -134,6 +163,8 @@ class PendingAgreement:
 
         Raises:
             PlanMismatchError: some rank is at another position or holds another plan.
+            PlanUnusable: every rank holds the same plan at the same position, but some said
+                they cannot run their part (``unusable``).
             PlanAgreementError: the comparison failed (a rank did not arrive, or died).
         """
         try:
@@ -198,8 +229,11 @@ class AgreementGroup:
         new for each group (each run), from the group's secret."""
         return hmac.new(self._secret, label.encode(), hashlib.sha256).hexdigest()[:32]
 
-    def start(self, *, where: Sequence[int], digest: int, label: str) -> PendingAgreement:
-        """Start one comparison (every rank must start its comparisons in the same order)."""
+    def start(
+        self, *, where: Sequence[int], digest: int, label: str, unusable: int = 0
+    ) -> PendingAgreement:
+        """Start one comparison (every rank must start its comparisons in the same order;
+        ``unusable``: see :class:`PendingAgreement`)."""
         from dyncp.control.failures import FailureBoard
 
         board = FailureBoard(
@@ -210,7 +244,9 @@ class AgreementGroup:
             secret=self._secret,
             timeout=self.timeout,
         )
-        return PendingAgreement(self.group, where=where, digest=digest, label=label, board=board)
+        return PendingAgreement(
+            self.group, where=where, digest=digest, label=label, board=board, unusable=unusable
+        )
 
 
 def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str) -> None:
@@ -231,21 +267,44 @@ def agree(group: ProcessGroup, *, where: Sequence[int], digest: int, label: str)
 
 
 def _compare(ranks: list[int], rows: list[tuple[int, ...]], label: str) -> None:
+    """Raise the same error on every rank unless all ``rows`` (where..., unusable, digest) agree."""
     if len(set(rows)) == 1:
         return
-    counts = {row: rows.count(row) for row in rows}
-    majority = max(counts, key=lambda row: (counts[row], row == rows[0]))
-    odd = [r for r, row in zip(ranks, rows) if row != majority]
+    plans = [(*row[:-2], row[-1]) for row in rows]  # position and digest, without the flag
+    if len(set(plans)) == 1:  # the same plan everywhere; some ranks cannot run their part
+        bad = [(r, row[-2]) for r, row in zip(ranks, rows) if row[-2]]
+        said = "; ".join(
+            f"rank {r}: {UNUSABLE_REASONS.get(code, f'reason {code}')}" for r, code in bad
+        )
+        raise PlanUnusable(
+            f"{label}: every rank holds the same plan, but {len(bad)} cannot run its part ({said})",
+            [r for r, _ in bad],
+            [code for _, code in bad],
+        )
+    counts = {row: plans.count(row) for row in plans}
+    top = max(counts.values())
+    leaders = [row for row, n in counts.items() if n == top]
     digests = [row[-1] for row in rows]
-    detail = ""
-    if any(row[:-1] != majority[:-1] for row in rows):
-        at = {r: row[:-1] for r, row in zip(ranks, rows) if row[:-1] != majority[:-1]}
-        detail = f"; they are at {at}, the others at {majority[:-1]}"
     shown = sorted({format_digest(d) for d in digests})
+    by_rank = dict(zip(ranks, (format_digest(d) for d in digests)))
+    if len(leaders) > 1:  # no majority: nothing says which side is wrong
+        raise PlanMismatchError(
+            f"{label}: ranks hold different plans and no plan has a majority (digests "
+            f"{' vs '.join(shown)}; by rank: {by_rank}), so no rank can be named; check that "
+            "every rank has the same lengths, seed, batch size and planner, and that nobody else "
+            "writes the job's Store",
+            [],
+            digests,
+        )
+    majority = leaders[0]
+    odd = [r for r, row in zip(ranks, plans) if row != majority]
+    detail = ""
+    if any(row[:-1] != majority[:-1] for row in plans):
+        at = {r: row[:-1] for r, row in zip(ranks, plans) if row[:-1] != majority[:-1]}
+        detail = f"; they are at {at}, the others at {majority[:-1]}"
     raise PlanMismatchError(
         f"{label}: ranks {odd} executed a different plan from the other ranks{detail} "
-        f"(digests {' vs '.join(shown)}; by rank: "
-        f"{dict(zip(ranks, (format_digest(d) for d in digests)))}); check that every rank has "
+        f"(digests {' vs '.join(shown)}; by rank: {by_rank}); check that every rank has "
         "the same lengths, seed, batch size and planner, and that nobody else writes the "
         "job's Store",
         odd,

@@ -30,12 +30,26 @@ Trust: the job's Store accepts any client, so every record is sealed with an HMA
 secret that never touches the Store: the first rank of the pool's control group draws 32 random
 bytes at start-up and broadcasts them over that group (:func:`shared_secret`). A record that does
 not verify (forged, replayed from another pool or run, or garbled) is ignored and counted
-(``FailureBoard.forged``); the counter a forger can bump only makes the waiters look at the
-records, which they then ignore. Keys (under the pool's namespace; ``scope`` is ``c<n>`` for the
-n-th ``execute`` call, ``w`` the wave, ``-1`` the plan agreement before the first wave)::
+(``FailureBoard.forged``).
 
-    <scope>/n               how many reports were written (a hint for the waiters: one read)
-    <scope>/w<w>/r<p>       rank p's signed report:
+Signing alone does not stop a client from *removing* a genuine report, or replacing it with
+garbage: either makes a healthy rank look silent, and the survivors then blame it. So a report
+is also out of every other client's reach, by three rules:
+
+* its key is unpredictable: ``<scope>/w<w>/<tag>`` where ``tag`` is an HMAC of the slot and
+  position under the secret, so only the pool's ranks know where reports live (a TCPStore
+  client cannot list keys; it can only name them);
+* it is written once (``compare_set(key, "", report)``): a rank's first report in a slot stands;
+* a reader keeps every report it has verified: deleting it after it was read changes nothing.
+
+No counter decides anything: a counter is a value anyone can set to ``"abc"``, after which the
+Store server fails every ``add`` on it (and a TCPStore drops the connection). A waiter polls the
+Store's key count (``num_keys``, computed by the server, not a stored value) as a hint that
+something was written, and re-reads only the positions it has no verified report for. Keys (under
+the pool's namespace; ``scope`` is ``c<n>`` for the n-th ``execute`` call, ``w`` the wave, ``-1``
+the plan agreement before the first wave)::
+
+    <scope>/w<w>/<tag(p)>   rank p's signed report:
                             "<kind> <timed_out> <arrived> <failed> <message>";
                             kind: raised | comm | ok (reached the synchronisation point);
                             w = number of waves: the gradient reduction after the call
@@ -46,6 +60,8 @@ Nothing is written while steps succeed; these keys exist only for failed steps.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 import math
 import os
@@ -189,12 +205,17 @@ class FailureBoard:
         self.names = tuple(names)
         self.timeout = timeout
         self._signer = PlanSigner(secret)
-        self._seen = 0  # the report counter when last looked at
+        self._secret = secret
+        self._seen = -1  # the Store's key count when last looked at
+        self._verified: dict[tuple[int, int], Report] = {}  # (slot, position): reports read
         self.forged = 0
         self.store_errors = 0
 
     def _key(self, wave: int, position: int) -> str:
-        return f"{self.scope}/w{wave}/r{position}"
+        """The report key of a slot and position: unpredictable without the secret."""
+        slot = f"{self.scope}/w{wave}"
+        tag = hmac.new(self._secret, f"{slot}/r{position}".encode(), hashlib.sha256)
+        return f"{slot}/{tag.hexdigest()[:32]}"
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
         self.store_errors += 1
@@ -202,11 +223,11 @@ class FailureBoard:
 
     # ------------------------------------------------------------------------------ writing
     def report(self, wave: int, position: int, report: Report) -> None:
-        """Leave this rank's report (never raises: a Store failure is logged and counted)."""
+        """Leave this rank's report, once per slot (never raises: a Store failure is logged and
+        counted; a second report in the same slot leaves the first)."""
         key = self._key(wave, position)
         try:
-            self.store.set(key, self._signer.seal(key, report.encode()))
-            self.store.add(f"{self.scope}/n", 1)
+            self.store.compare_set(key, "", self._signer.seal(key, report.encode()))
         except (RuntimeError, ValueError) as exc:
             self._store_failed("writing a report", exc)
 
@@ -235,12 +256,13 @@ class FailureBoard:
 
     # ------------------------------------------------------------------------------ reading
     def changed(self) -> bool:
-        """Whether reports were written since the last look (one Store read)."""
+        """Whether keys were written to the Store since the last look (one Store read of the
+        server's key count: a hint only, which no client can poison; a Store without a count
+        is always re-read)."""
         try:
-            count = int(self.store.add(f"{self.scope}/n", 0))
-        except (RuntimeError, ValueError) as exc:
-            self._store_failed("reading the report counter", exc)
-            return False
+            count = int(self.store.num_keys())
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+            return True
         if count == self._seen:
             return False
         self._seen = count
@@ -249,24 +271,35 @@ class FailureBoard:
     def reports(self, wave: int, earlier: Sequence[int] = ()) -> dict[int, Report]:
         """The verified reports of ``wave`` and the ``earlier`` slots, by position: each
         position's most telling one (raised, then comm, then ok; the earliest of a kind).
-        Forged or garbled records are counted and left out."""
+        Forged or garbled records are counted and left out; a verified report is kept (read
+        once), so a later deletion or rewrite of its key changes nothing."""
         rank = {"raised": 0, "comm": 1, "ok": 2}
         out: dict[int, Report] = {}
         for slot in (*earlier, wave):
             for p in range(self.world):
-                key = self._key(slot, p)
-                if not self.store.check([key]):
+                found = self._verified.get((slot, p))
+                if found is None:
+                    found = self._read(slot, p)
+                if found is None:
                     continue
-                try:
-                    found = Report.decode(self._signer.open(key, self.store.get(key)))
-                except (PlanError, ValueError, UnicodeDecodeError):
-                    self.forged += 1
-                    continue
-                found = dataclasses.replace(found, wave=slot)
                 old = out.get(p)
                 if old is None or (rank[found.kind], found.failed) < (rank[old.kind], old.failed):
                     out[p] = found
         return out
+
+    def _read(self, slot: int, position: int) -> Report | None:
+        """The verified report of one slot and position, or None (absent, forged, garbled)."""
+        key = self._key(slot, position)
+        if not self.store.check([key]):
+            return None
+        try:
+            found = Report.decode(self._signer.open(key, self.store.get(key)))
+        except (PlanError, ValueError, UnicodeDecodeError):
+            self.forged += 1
+            return None
+        found = dataclasses.replace(found, wave=slot)
+        self._verified[(slot, position)] = found
+        return found
 
     def culprit(
         self,

@@ -9,8 +9,10 @@ the plans are made, and the trainers and the service talk only through the Store
 
 Keys (under ``dyncp/<prefix>/``)::
 
-    meas/next      counter (Store.add): the number of the last record pushed
-    meas/<n>       one step's measurements (dyncp.cost_model.calibration.online.encode_measurements)
+    meas/head      "<session> <n>": the pusher's session and the number of its last record
+                   (a plain set, sealed; written after the record)
+    meas/<session>/<n>
+                   one step's measurements (dyncp.cost_model.calibration.online.encode_measurements)
     model/v<k>     model version k (ModelVersion JSON); written once, before ``latest`` names it
     model/latest   "<k>": the newest published version
 
@@ -22,6 +24,13 @@ that same decision, fetches that same version and computes the same plan.
 Signed like the plans (``dyncp.control.signing``): with the job's secret every record and version is
 sealed with an HMAC over its key, and a reader refuses anything else (counted in ``rejected``).
 
+No counter: the job's one pusher numbers its records itself, under a session drawn when it
+starts (so a restarted pusher never rewrites a record a drain has not read), and says how far it
+got in ``meas/head``, a sealed value, not a ``Store.add`` counter. A counter can be set to
+``"abc"`` by any client, after which every ``add`` on it fails in the Store server (a TCPStore
+drops the connection); a head that does not verify or parse is counted
+(``MeasurementChannel.bad_heads``) and that drain reads nothing.
+
 Bounded: the pusher deletes records ``max_pending`` behind its newest (a service that is not
 draining costs at most that many keys); the service deletes what it drained, and versions older
 than ``keep_versions`` behind the newest. Malformed records or versions (the Store is writable by
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -132,10 +142,12 @@ class MeasurementChannel:
         prefix: job namespace.
         max_pending: records kept for a service that has not drained them yet.
         signer: seals and opens the records (default: the job's secret from the environment).
-        grace: seconds a drain waits for a record whose number was taken but that is not
-            written yet (``push`` takes the number, then writes the record: a drain between the
-            two sees the gap). Past it the pusher is taken to have died in between, and the
-            record is counted in ``lost``.
+        grace: seconds a drain waits for a record the head names but that is not in the
+            Store (deleted by another client). Past it the record is counted in ``lost``.
+
+    Attributes:
+        lost: records that never reached a drain (evicted unread, or missing).
+        bad_heads: heads that did not verify or parse (ignored: that drain read nothing).
     """
 
     def __init__(
@@ -152,12 +164,29 @@ class MeasurementChannel:
         self.signer = signer or PlanSigner.from_env()
         self.grace = grace
         self.lost = 0
-        self._next_key = store_key(prefix, "meas", "next")
-        self._read = 0
+        self.bad_heads = 0
+        self._head_key = store_key(prefix, "meas", "head")
+        self._session = os.urandom(8).hex()  # this pusher's
+        self._pushed = 0
+        self._reads: dict[str, int] = {}  # the drain's position in each session seen (recent)
         self._gap: tuple[int, float] | None = None  # (record awaited, since when)
 
-    def _record_key(self, n: int) -> str:
-        return store_key(self.prefix, "meas", str(n))
+    def _record_key(self, n: int, session: str | None = None) -> str:
+        return store_key(self.prefix, "meas", session or self._session, str(n))
+
+    def _head(self) -> tuple[str, int] | None:
+        """The pusher's (session, last record) from the head; None if absent or bad (counted)."""
+        if not self.store.check([self._head_key]):
+            return None
+        try:
+            parts = self.signer.open(self._head_key, self.store.get(self._head_key)).split()
+            if len(parts) != 2 or len(parts[0]) != 16 or not parts[1].isdigit():
+                raise PlanError("decode", "expected '<session> <n>'")
+            return parts[0].decode("ascii"), int(parts[1])
+        except (PlanError, UnicodeDecodeError, ValueError) as exc:
+            self.bad_heads += 1
+            log.warning("ignoring measurement head: %s", exc)
+            return None
 
     def push(
         self,
@@ -165,10 +194,13 @@ class MeasurementChannel:
         microbatches: Sequence[Measurement],
         waves: Sequence[WaveMeasurement] = (),
     ) -> None:
-        """Publish one step's measurements (from one process, e.g. rank 0 after a gather)."""
-        n = int(self.store.add(self._next_key, 1))
+        """Publish one step's measurements (from the job's one pusher, e.g. position 0 after a
+        gather): the record, then the head that names it."""
+        n = self._pushed = self._pushed + 1
         key = self._record_key(n)
         self.store.set(key, self.signer.seal(key, encode_measurements(step, microbatches, waves)))
+        head = f"{self._session} {n}".encode()
+        self.store.set(self._head_key, self.signer.seal(self._head_key, head))
         old = n - self.max_pending
         if old > 0:
             with contextlib.suppress(RuntimeError, NotImplementedError):  # Store without delete
@@ -178,26 +210,33 @@ class MeasurementChannel:
         """Feed every record pushed since the last drain to ``calibrator``, in push order; the
         newest version it adopted, or None. Records are deleted once read.
 
-        A record not written yet stops the drain there: the next drain starts from it (one
-        pushed between the counter and the write is read then, not skipped), and gives up on it
-        after ``grace`` seconds (counted in ``lost``, as are records the pusher evicted unread)."""
-        newest = int(self.store.add(self._next_key, 0))
-        if newest < self._read:  # the counter restarted: a new job under the same prefix
-            self._read, self._gap = 0, None
+        A record the head names that is missing stops the drain there: the next drain starts
+        from it, and gives up on it after ``grace`` seconds (counted in ``lost``, as are records
+        the pusher evicted unread). A new session (a restarted pusher) is read from its start."""
+        head = self._head()
+        if head is None:
+            return None
+        session, newest = head
+        if session not in self._reads:
+            self._gap = None
+            while len(self._reads) >= 4:  # a few sessions remembered: a forged head and back
+                self._reads.pop(next(iter(self._reads)))
+        read = self._reads.setdefault(session, 0)
         adopted = None
-        first = max(self._read + 1, newest - self.max_pending + 1)
-        evicted = first - self._read - 1  # the pusher deleted them before any drain read them
+        first = max(read + 1, newest - self.max_pending + 1)
+        evicted = first - read - 1  # the pusher deleted them before any drain read them
         if evicted > 0:
             self.lost += evicted
             log.warning("%d measurement records evicted before they were drained", evicted)
+        self._reads[session] = max(read, first - 1)
         for n in range(first, newest + 1):
-            key = self._record_key(n)
+            key = self._record_key(n, session)
             if not self.store.check([key]):
                 if self._waits_for(n):
                     break
-                self._read = n
+                self._reads[session] = n
                 continue
-            self._read, self._gap = n, None
+            self._reads[session], self._gap = n, None
             raw = self.store.get(key)
             with contextlib.suppress(RuntimeError, NotImplementedError):  # Store without delete
                 self.store.delete_key(key)

@@ -120,6 +120,18 @@ class PlanSigner:
     def authenticated(self) -> bool:
         return self._secret is not None
 
+    def private_key(self, key: str) -> str:
+        """``key`` with a suffix only holders of the secret (and the run) can compute, so a
+        Store client without it cannot name the key to overwrite it (a TCPStore cannot list its
+        keys); ``key`` itself without a secret. For values a job rewrites all the time (the
+        cursor), where a forger's overwrite, though refused, would hide the genuine value."""
+        if self._secret is None:
+            return key
+        tag = hmac.new(
+            self._secret, b"private\0" + self.run.encode() + b"\0" + key.encode(), hashlib.sha256
+        )
+        return f"{key}-{tag.hexdigest()[:32]}"
+
     def _mac(self, key: str, body: bytes) -> bytes:
         assert self._secret is not None
         msg = key.encode() + b"\0" + body

@@ -295,12 +295,15 @@ class SliceUnavailable(PlanError):
     """This rank's slice of the step's (signed) header is missing or does not verify.
 
     Attributes:
-        digest: the header's digest (the sampler compares another, so every rank raises).
+        digest: the header's digest (every rank that holds the header compares it; this rank
+            also says it cannot run its part, and every rank falls back alike).
+        missing: the slice was absent (else: malformed, not the header's, or not this batch's).
     """
 
-    def __init__(self, message: str, digest: int) -> None:
+    def __init__(self, message: str, digest: int, *, missing: bool = False) -> None:
         super().__init__("slice", message)
         self.digest = digest
+        self.missing = missing
 
 
 def check_slice_header(header: SliceHeader, *, topology: Topology, lengths: np.ndarray) -> None:

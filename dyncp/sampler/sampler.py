@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dyncp.control.agreement import AgreementGroup, PendingAgreement
+from dyncp.control.agreement import AgreementGroup, PendingAgreement, PlanUnusable
 from dyncp.control.model_channel import ModelChannel, ServiceCalibration
-from dyncp.control.signing import RUN_ENV, PlanSigner
+from dyncp.control.signing import RUN_ENV, SECRET_ENV, SECRET_FILE_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data.schedule import BatchSchedule
 from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
@@ -54,6 +54,7 @@ class _Prepared:
     wait: float
     digest: int
     agreement: PendingAgreement | None
+    unavailable: SliceUnavailable | None = None  # this rank's slice could not be used
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +80,32 @@ def _agreement(
     return AgreementGroup(group, store=store)
 
 
-def _run_id(given: str | None, agreement: AgreementGroup | None, serves: bool) -> str:
-    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`)."""
+def _run_id(
+    given: str | None, agreement: AgreementGroup | None, serves: bool, secret: object
+) -> str:
+    """The run plan records are bound to (see ``run_id`` in :class:`DynamicCPSampler`).
+
+    With a secret and no rank serving (a standalone ``python -m dyncp.service``), a run id is
+    required: one the service cannot know cannot be drawn here, and without one the records
+    are bound to no run, so an earlier run's records replay. Every rank raises the same error
+    at construction rather than fall back at every step.
+
+    Raises:
+        ValueError: a secret is set, nobody serves in-process and no run id was given.
+    """
     if given is not None:
         return given
     if os.environ.get(RUN_ENV):
         return os.environ[RUN_ENV]
-    if agreement is not None and agreement.any(serves):
+    anyone = agreement.any(serves) if agreement is not None else serves
+    if anyone and agreement is not None:
         return agreement.derive("plan-service run")
+    signed = secret is not None or os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+    if signed and not anyone:
+        raise ValueError(
+            "plans are signed but no rank serves them and no run_id is set: give run_id= (or "
+            f"${RUN_ENV}) on every rank and the same --run-id to python -m dyncp.service"
+        )
     return ""
 
 
@@ -196,7 +215,7 @@ class DynamicCPSampler:
             )
         else:
             serves = config.rank == 0 if config.serve is None else bool(config.serve)
-            self.run_id = _run_id(config.run_id, self.agreement, serves)
+            self.run_id = _run_id(config.run_id, self.agreement, serves, config.secret)
             signer = None
             if calibrate is not False:
                 signer = PlanSigner.from_env(config.secret, run=self.run_id)
@@ -326,30 +345,38 @@ class DynamicCPSampler:
         else:
             try:
                 fetched = self._source.fetch(epoch, step)
-            except SliceUnavailable as exc:  # the others hold theirs: make them all raise
+            except SliceUnavailable as exc:  # said in the comparison: all fall back alike
                 if self.agreement is None:
                     raise
                 unavailable = exc
         wait = time.perf_counter() - start
-        if unavailable is not None:
-            digest = unavailable.digest ^ 1  # a digest no rank holding its slice has
+        code = 0
+        if unavailable is not None:  # the header's digest, and why this rank cannot run it
+            digest, code = unavailable.digest, 1 if unavailable.missing else 2
+            fetched = Fetched(None, "fallback", "rejected", False)  # type: ignore[arg-type]
         else:
             plan = fetched.plan
             digest = plan.digest if isinstance(plan, PlanSlice) else plan_digest(plan)
         pending = None
         if self.agreement is not None:
             label = f"epoch {epoch} step {step}"
-            pending = self.agreement.start(where=(epoch, step), digest=digest, label=label)
-        if unavailable is not None:
-            assert pending is not None
-            pending.result()  # raises PlanMismatchError on every rank, naming this one
-            raise unavailable
-        return _Prepared(fetched, wait, digest, pending)
+            pending = self.agreement.start(
+                where=(epoch, step), digest=digest, label=label, unusable=code
+            )
+        return _Prepared(fetched, wait, digest, pending, unavailable)
 
     def _finish(self, epoch: int, step: int, prepared: _Prepared) -> list[MicroBatchIndices]:
-        """Wait for the step's comparison (raises on a mismatch), then its micro-batches."""
-        if prepared.agreement is not None:
-            prepared.agreement.result()
+        """Wait for the step's comparison (raises on a mismatch), then its micro-batches.
+
+        When every rank holds the same header but some cannot use their slices, every rank
+        is told so by the comparison (:class:`PlanUnusable`, the same on all) and runs its
+        slice of the deterministic fallback plan of the step instead, as with a rejected
+        whole plan; the slice error is logged, naming the ranks and why."""
+        try:
+            if prepared.agreement is not None:
+                prepared.agreement.result()
+        except PlanUnusable as exc:
+            prepared = self._slice_fallback(epoch, step, prepared, str(exc))
         fetched, wait, digest = prepared.fetched, prepared.wait, prepared.digest
         plan = fetched.plan
         batches = rank_microbatches(
@@ -368,6 +395,15 @@ class DynamicCPSampler:
         if self.on_step is not None:
             self.on_step(plan, info)
         return batches
+
+    def _slice_fallback(self, epoch: int, step: int, prepared: _Prepared, why: str) -> _Prepared:
+        """Every rank's slice of the step's deterministic fallback (see :meth:`_finish`)."""
+        own = f"; here: {prepared.unavailable}" if prepared.unavailable is not None else ""
+        log.warning("%s: every rank runs the fallback plan%s", why, own)
+        assert isinstance(self._source, StorePlans)
+        mine = self._source.client.fallback_slice(epoch, step)
+        fetched = Fetched(mine, "fallback", "rejected", prepared.fetched.ready)
+        return _Prepared(fetched, prepared.wait, mine.digest, None)
 
     def _remember(self, epoch: int, step: int, plan: StepPlan) -> None:
         self._recent[(epoch, step)] = plan

@@ -20,12 +20,14 @@ pricing plans with it (readers' fallbacks name the version they use), and with
 
 Plans are signed with the job's secret when ``DYNCP_PLAN_SECRET`` (or ``DYNCP_PLAN_SECRET_FILE``)
 is set, as on every rank, and bound to the run given by ``--run-id`` (default
-``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``. A startup error (bad option, dataset,
-profile, unreachable store, or a port that accepts connections but does not answer like a
-TCPStore within ``--connect-timeout``) is one line on stderr and exit status 2 -- torch's own
-connection warnings are held back while connecting; SIGINT/SIGTERM stop the connecting too
-(status 130). If the Store or the planning thread dies while serving, one line says why and the
-exit status is 1.
+``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``; with a secret the run id is required
+(a startup error without one), as it is on the ranks when none of them serves. ``--slices``
+publishes a slice header and one slice per rank, for readers with ``slices=True``. A startup
+error (bad option, dataset, profile, unreachable store, or a port that accepts connections but
+does not answer like a TCPStore within ``--connect-timeout``) is one line on stderr and exit
+status 2 -- torch's own connection warnings are held back while connecting; SIGINT/SIGTERM
+stop the connecting too (status 130). If the Store or the planning thread dies while serving,
+one line says why and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from dyncp.control.model_channel import ServiceCalibration
+from dyncp.control.signing import SECRET_ENV, SECRET_FILE_ENV, PlanSigner
 from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data import OVERLONG, BatchSchedule
@@ -163,6 +166,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("DYNCP_RUN_ID", ""),
         help="the ranks' run_id (default $DYNCP_RUN_ID): records are bound to it",
     )
+    p.add_argument(
+        "--slices",
+        action="store_true",
+        help="publish a slice header and one slice per rank (the readers' slices=True)",
+    )
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
     p.add_argument("--refit-every", type=int, default=4, help="steps between refits")
     p.add_argument("--save-profile", default=None, help="write the calibrated profile here")
@@ -172,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="dyncp.service.cli: %(message)s")
+    # The service's own line when its thread stops: main prints the one line that says so.
+    logging.getLogger("dyncp.service.publisher").addFilter(
+        lambda record: not record.getMessage().startswith("plan service stopped")
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -185,15 +197,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     end = None if not args.duration else time.monotonic() + args.duration
     status = 0
-    while not stop.wait(WATCH_SECONDS):
-        if not service.alive:
-            why = service.failure or "the planning thread stopped"
-            print(f"dyncp.service.cli: error: stopped serving: {_one_line(why)}", file=sys.stderr)
-            status = 1
-            break
-        if end is not None and time.monotonic() >= end:
-            break
-    service.stop()
+    with _python_stderr_only():
+        while not stop.wait(WATCH_SECONDS):
+            if not service.alive:
+                why = service.failure or "the planning thread stopped"
+                print(
+                    f"dyncp.service.cli: error: stopped serving: {_one_line(why)}", file=sys.stderr
+                )
+                status = 1
+                break
+            if end is not None and time.monotonic() >= end:
+                break
+        service.stop()
     print(f"dyncp.service.cli: {service.counters}", flush=True)
     calibration = service.calibration
     if calibration is not None:
@@ -240,6 +255,36 @@ def _held_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def _python_stderr_only() -> Iterator[None]:
+    """While serving: what Python writes to stderr (our one-line errors, logging) still goes
+    there; what C++ writes to file descriptor 2 does not (a dead Store makes torch's client log
+    a dozen lines of retries and stack frames, after which we print the one line that counts)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python = open(saved, "w", buffering=1, closefd=False)  # noqa: SIM115 - closed below
+    old = sys.stderr
+    handlers = [
+        h for h in logging.getLogger().handlers
+        if isinstance(h, logging.StreamHandler) and h.stream is old
+    ]  # fmt: skip
+    try:
+        with open(os.devnull, "wb") as sink:
+            os.dup2(sink.fileno(), 2)
+            sys.stderr = python
+            for h in handlers:
+                h.setStream(python)
+            yield
+    finally:
+        python.flush()
+        sys.stderr = old
+        for h in handlers:
+            h.setStream(old)
+        os.dup2(saved, 2)
+        os.close(saved)
+        python.close()
+
+
 def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:
     """A client of the job's TCPStore, connected within --connect-timeout (plus a grace), or
     a StartupError; a signal stops the wait (Interrupted).
@@ -276,6 +321,13 @@ def _connect(args: argparse.Namespace, stop: threading.Event) -> dist.TCPStore:
 
 
 def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
+    signed = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+    if signed and not args.run_id:
+        raise StartupError(
+            "plans are signed but no --run-id (or $DYNCP_RUN_ID) is given: records bound to no "
+            "run are rejected by ranks bound to one, and an earlier run's would replay; give "
+            "the ranks' run_id"
+        )
     model = CostModel.load(args.profile, ranks_per_node=args.ranks_per_node)
     topology = Topology(args.world, args.ranks_per_node, args.capacity)
     planner = Planner(
@@ -309,8 +361,12 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         calibrator = OnlineCalibrator(
             model.profile, ranks_per_node=args.ranks_per_node, refit_every=args.refit_every
         )
-        calibration = ServiceCalibration(
-            store, args.prefix, calibrator, save_path=args.save_profile
+        calibration = ServiceCalibration(  # versions bound to the run, as the plans
+            store,
+            args.prefix,
+            calibrator,
+            save_path=args.save_profile,
+            signer=PlanSigner.from_env(run=args.run_id),
         )
     service = PlanService(
         store,
@@ -320,6 +376,7 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         lookahead=args.lookahead,
         calibration=calibration,
         run_id=args.run_id,
+        slices=args.slices,
         budget=budget,
     )
     service.start()

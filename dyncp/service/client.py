@@ -112,13 +112,14 @@ class PlanClient:
         self.signer = PlanSigner.from_env(secret, run=run_id)
         self._missed = False
         self._consumed: deque[str] = deque()
+        self._slices: deque[str] = deque()  # this reader's slice keys, oldest first
 
     def fetch(self, epoch: int, step: int) -> Fetched:
         """The plan of one step: the published one, or the same fallback on every rank."""
         key = step_key(self.prefix, epoch, step)
         ids, lengths = self.source.batch(epoch, step)
         if self.rank == 0:  # one writer: the service follows rank 0
-            cursor = cursor_key(self.prefix)
+            cursor = self.signer.private_key(cursor_key(self.prefix))
             self.store.set(cursor, self.signer.seal(cursor, cursor_value(epoch, step)))
         ready = self.store.check([key])
         if ready:
@@ -148,6 +149,12 @@ class PlanClient:
             return Fetched(self._mine(plan), "fallback", "rejected", ready)
         return Fetched(plan, "service", None, ready)
 
+    def fallback_slice(self, epoch: int, step: int) -> PlanSlice:
+        """This rank's slice of the step's deterministic fallback plan (the same on every
+        rank): what every reader runs when some could not use their slices of the header."""
+        plan = plan_batch(self.fallback, *self.source.batch(epoch, step))
+        return own_slice(plan, self.rank)
+
     def _mine(self, plan: StepPlan) -> StepPlan | PlanSlice:
         """A plan this rank computed itself, as the reader returns plans (whole, or its slice)."""
         return own_slice(plan, self.rank) if self.slices else plan
@@ -155,23 +162,43 @@ class PlanClient:
     def _own_slice(
         self, key: str, header: SliceHeader, ids: np.ndarray, lengths: np.ndarray
     ) -> PlanSlice:
-        """This rank's slice of a verified header, checked against the batch; its key deleted.
+        """This rank's slice of a verified header, checked against the batch.
+
+        The key is not deleted on reading: a job restarted from a checkpoint behind its
+        readers (a prefetching sampler) reads the same steps again. It is deleted
+        ``keep_steps`` steps later, like the step keys rank 0 deletes (``_forget_old``).
 
         Raises:
             SliceUnavailable: missing, not the header's, or not this batch's.
         """
         own = slice_key(key, self.rank)
+        self._forget_slice(own)
         try:
             if not self.store.check([own]):
-                raise PlanError("slice", f"no slice at {own}")
+                raise SliceUnavailable(
+                    f"rank {self.rank}: no slice at {own}", header.digest, missing=True
+                )
             mine = open_slice(header, self.store.get(own), self.rank)
             for i, length in mine.lengths.items():
                 if length != int(lengths[i]) or mine.sample_ids[i] != int(ids[i]):
                     raise PlanError("slice", f"sequence {i} of the slice is not this batch's")
+        except SliceUnavailable:
+            raise
         except PlanError as exc:
             raise SliceUnavailable(f"rank {self.rank}: {exc}", header.digest) from None
-        self.store.delete_key(own)
         return mine
+
+    def _forget_slice(self, own: str) -> None:
+        """Delete this reader's slice of the step ``keep_steps`` behind ``own``'s."""
+        if self.keep_steps < 0 or own in self._slices:
+            return
+        self._slices.append(own)
+        while len(self._slices) > self.keep_steps:
+            try:
+                self.store.delete_key(self._slices.popleft())
+            except (RuntimeError, NotImplementedError):
+                self.keep_steps = -1
+                return
 
     def _fallback_body(self) -> bytes:
         """What this reader offers as the step's decision: ``FALLBACK``, naming the newest model

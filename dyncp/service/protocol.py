@@ -8,7 +8,10 @@ it runs over a ``torch.distributed.Store`` (the job's TCPStore); no process grou
 Store protocol (keys under ``dyncp/<prefix>/``)::
 
     cursor              "<epoch> <step>": written by reader rank 0 (one writer) when it starts
-                        needing a step, sealed like the plans
+                        needing a step, sealed like the plans; with a secret at
+                        ``cursor-<tag>``, a name only holders of the secret can compute
+                        (``PlanSigner.private_key``), so that a client rewriting the cursor
+                        cannot hide rank 0's from the service
     e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
                         the plan JSON (by the service) or FALLBACK (by a reader whose deadline
                         passed first), sealed with the job's secret and run
@@ -37,9 +40,12 @@ step). When the Store itself fails the service thread stops and says why
 Slices (``slices=True`` on the service and every reader; ``dyncp.plan.slice``): the step's
 decision is a slice header (signed like a plan) that commits to one slice per rank, written
 first at ``e<epoch>/s<step>/r<position>``; a reader reads the header and its own slice (about a
-kilobyte), checks the slice against the header and deletes its key. A reader whose slice is
-missing or does not verify cannot run the step: :class:`SliceUnavailable` makes its sampler
-take part in the agreement with a digest no other rank has, so every rank raises in that step.
+kilobyte) and checks the slice against the header; it deletes its slice ``keep_steps`` steps
+later (not on reading: a job restarted from a checkpoint behind its readers reads the same
+steps again), and the service never republishes a step already decided (its slices stay the
+ones the decision committed to). A reader whose slice is missing or does not verify cannot run
+the step: :class:`SliceUnavailable` makes its sampler say so in the per-step agreement, and
+every rank runs its slice of the step's deterministic fallback (``PlanUnusable``).
 
 The publisher (``dyncp.service.publisher``) and the readers (``dyncp.service.client``) both speak
 it; this module holds what they share -- the key names, the cursor's format, the batches both

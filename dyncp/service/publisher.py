@@ -169,7 +169,7 @@ class PlanService:
                     self.publish(*todo)
         except Exception as exc:  # the Store (or its connection) failed: nothing left to serve
             self.failure = exc
-            log.error("plan service stopped: %s", exc)
+            log.error("plan service stopped: %s", (str(exc).splitlines() or [repr(exc)])[0])
 
     def _next_target(self) -> tuple[int, int] | None:
         cursor = self._read_cursor()
@@ -180,7 +180,7 @@ class PlanService:
         return next((t for t in targets if t not in self._done), None)
 
     def _read_cursor(self) -> tuple[int, int] | None:
-        key = cursor_key(self.prefix)
+        key = self.signer.private_key(cursor_key(self.prefix))
         if not self.store.check([key]):
             return self._cursor
         raw = self.store.get(key)
@@ -215,9 +215,12 @@ class PlanService:
     def publish(self, epoch: int, step: int) -> bool:
         """Plan one step and offer it; True when it became the step's decision."""
         self._done.add((epoch, step))
+        key = step_key(self.prefix, epoch, step)
+        if self.store.check([key]):  # decided already (a restart reads its steps again): its
+            self.counters.late += 1  # slices must stay the ones the decision committed to
+            return False
         ids, lengths = self.source.batch(epoch, step)
         start = time.perf_counter()
-        key = step_key(self.prefix, epoch, step)
         records: list[bytes] = []
         try:
             plan = plan_batch(self.planner, ids, lengths, budget=self.budget)

@@ -174,3 +174,7 @@ class CountingStore(dist.Store):
     def delete_key(self, key):
         self.requests += 1
         return self.inner.delete_key(key)
+
+    def num_keys(self):
+        self.requests += 1
+        return self.inner.num_keys()

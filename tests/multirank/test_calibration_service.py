@@ -201,12 +201,14 @@ def test_serve_command_calibrates_and_saves_the_profile(tmp_path):
         "1",
         "--save-profile",
         str(saved),
+        "--run-id",
+        "cal-run",  # required with a secret; measurements and versions are bound to it
     ]
     env = dict(os.environ, DYNCP_PLAN_SECRET=SECRET.decode())
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    signer = PlanSigner(SECRET)
+    signer = PlanSigner(SECRET, run="cal-run")
     try:
         push_slower_steps(MeasurementChannel(master, "cal", signer=signer), 2, seed=2)
         models = ModelChannel(master, "cal", signer=signer)

@@ -117,6 +117,23 @@ def _forge_board(pool: GroupPool) -> None:
     pool.store.add("c0/n", 7)
 
 
+def _hostile_board(pool: GroupPool, stop: threading.Event) -> None:
+    """What any Store client can do to the reports while a step fails: poison the old report
+    counter, then overwrite and delete, over and over, whatever sits at the keys where reports
+    of call 0 used to live (``c0/w<w>/r<p>``), until the scenario ends."""
+    pool.store.set("c0/n", "abc")
+    keys = [f"c0/w{w}/r{p}" for w in (-1, 0, 1, 2, 3) for p in range(WORLD)]
+    i = 0
+    while not stop.is_set():
+        for key in keys:
+            if i % 2:
+                pool.store.delete_key(key)
+            else:
+                pool.store.set(key, b"raised 0 1.0 1.0 overwritten")
+        i += 1
+        stop.wait(0.002)
+
+
 def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
     pool = GroupPool()  # no timeout given: the job's (T)
     plan = hand_plan(extra=1 if fault == "other-plan" and rank == culprit else 0)
@@ -124,9 +141,14 @@ def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
         if rank == 0:
             _forge_board(pool)
         dist.barrier()
+    hostile = threading.Event()
+    if fault in HOSTILE and rank == 0:
+        threading.Thread(target=_hostile_board, args=(pool, hostile), daemon=True).start()
 
     def step_fn(ctx) -> None:
         if rank == culprit and ctx.step_wave == 0:
+            if fault == "raise-hostile":
+                raise ValueError("boom while a Store client rewrites the reports")
             if fault == "kill-mid-ring":
                 os.kill(os.getpid(), signal.SIGKILL)  # inside the ring of 4, before its collective
             if fault == "stall":
@@ -158,6 +180,7 @@ def _execute(rank: int, store: dist.Store, fault: str, culprit: int) -> dict:
     outcome["seconds"] = time.monotonic() - start
     if rank != culprit:
         _release(store)
+    hostile.set()
     return outcome
 
 
@@ -166,9 +189,21 @@ def _scenario_store(tmp: str, name: str) -> dist.Store:
 
 
 #: "kill-mid-ring" last: rank 2 is gone after it. "forged-board": rank 3 raises while forged
-#: reports blame rank 1.
-EXECUTE_FAULTS = ["raise", "hang", "skip", "other-plan", "stall", "forged-board", "kill-mid-ring"]
+#: reports blame rank 1. In the HOSTILE ones a Store client rewrites and deletes report keys and
+#: poisons the old report counter while rank 2 raises or is SIGKILLed.
+EXECUTE_FAULTS = [
+    "raise",
+    "hang",
+    "skip",
+    "other-plan",
+    "stall",
+    "forged-board",
+    "raise-hostile",
+    "kill-mid-ring",
+]
+HOSTILE = ("raise-hostile", "kill-mid-ring")
 CULPRIT = {
+    "raise-hostile": 2,
     "raise": 1,
     "hang": 1,
     "skip": 2,
@@ -184,9 +219,17 @@ STALL = 1.1  # the stalled rank sleeps this many T inside the ring, then resumes
 
 
 def _sampler_run(
-    rank: int, port: int, prefix: str, wrap_fetch=None, wrap_rank: int = 0, **kwargs
+    rank: int,
+    port: int,
+    prefix: str,
+    wrap_fetch=None,
+    wrap_rank: int = 0,
+    state: dict | None = None,
+    steps_log: bool = False,
+    **kwargs,
 ) -> dict:
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    digests: list[list] = []
     sampler = DynamicCPSampler(  # the plan agreement is on by default, on its own group
         make_lengths(),
         world_size=WORLD,
@@ -199,19 +242,29 @@ def _sampler_run(
         deadline=0.5,
         late_deadline=0.05,
         secret=kwargs.pop("secret", None),
+        on_step=_recording(digests, kwargs.pop("on_step", None)),
         **kwargs,
     )
     if wrap_fetch is not None and rank == wrap_rank:
         client = sampler._source.client
         client.fetch = wrap_fetch(client.fetch)
+    if state is not None:
+        sampler.load_state_dict(state)
     samples, out = [], {}
+    by_step: dict[int, list[int]] = {}
     start = time.monotonic()
     try:
         for mb in sampler:
             if mb.meta.rank_in_group == 0:
                 samples.extend(mb)
+                by_step.setdefault(mb.meta.step, []).extend(int(i) for i in mb)
     except PlanMismatchError as exc:
         out.update(error=str(exc), ranks=list(exc.ranks), step=sampler.counters.steps)
+    except Exception as exc:  # any other end: recorded, so that every rank's end is compared
+        out.update(error=f"{type(exc).__name__}: {exc}", ranks=None, step=sampler.counters.steps)
+    if steps_log:
+        out["steps"] = sorted(by_step.items())
+        out["state"] = sampler.state_dict()
     out["seconds"] = time.monotonic() - start
     service = sampler._source.service
     if service is not None:
@@ -225,10 +278,22 @@ def _sampler_run(
     sampler.close()
     c = sampler.counters
     out["samples"] = [int(i) for i in samples]
+    out["digests"] = digests
     out["counters"] = dict(
         steps=c.steps, fallbacks=c.fallbacks, rejected=c.rejected_plans, service=c.service_plans
     )
     return out
+
+
+def _recording(digests: list, on_step=None):
+    """An ``on_step`` that records (step, source, reason, digest) and calls ``on_step``."""
+
+    def record(plan, info) -> None:
+        digests.append([info.step, info.source, info.reason, info.digest])
+        if on_step is not None:
+            on_step(plan, info)
+
+    return record
 
 
 def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
@@ -269,32 +334,78 @@ def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
 
 
 SLICELESS = 2  # the rank whose slice of step 1 is deleted before it reads it
+TIED = (0, 1)  # the ranks whose slices of step 2 are overwritten (half the ranks: a tie)
 
 
-def _slice_deleted(rank: int, port: int) -> dict:
-    """Plans travel as slices; rank SLICELESS's slice of step 1 is deleted (by any Store
-    client) after the service published it. Every rank raises in step 1, naming that rank."""
+def _unusable_log() -> list[str]:
+    """The sampler's warnings (where a fallback over unusable slices is said)."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("dyncp.sampler.sampler").addHandler(handler)
+    return messages
+
+
+def _bad_slices(rank: int, port: int) -> dict:
+    """Plans travel as slices, with the job's secret. A Store client deletes rank SLICELESS's
+    slice of step 1, and overwrites the slices of ranks TIED of step 2 with a truncated copy and
+    a padded one. Every rank runs the same fallback plan in steps 1 and 2, the slice errors
+    named on every rank, and nobody else is blamed."""
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
-    key = step_key("slice-deleted", 0, 1)
+    prefix = "bad-slices"
+    messages = _unusable_log()
 
-    def delete_first(fetch):
-        def fetch_after_deletion(epoch: int, step: int):
-            if step == 1:
+    def tamper_first(fetch):
+        def fetch_after_tampering(epoch: int, step: int):
+            if step in (1, 2):
+                key = step_key(prefix, epoch, step)
                 store.wait([key], datetime.timedelta(seconds=30))
-                store.delete_key(slice_key(key, SLICELESS))
+                if step == 1:
+                    store.delete_key(slice_key(key, SLICELESS))
+                else:
+                    first, second = (slice_key(key, p) for p in TIED)
+                    store.set(first, store.get(first)[:-7])
+                    store.set(second, store.get(second) + b" ")
+                store.set(f"{prefix}/{step}", "1")
             return fetch(epoch, step)
 
-        return fetch_after_deletion
+        return fetch_after_tampering
 
-    return _sampler_run(
+    def on_step(plan, info) -> None:  # the others read step s + 1 after the tampering
+        if info.step in (0, 1) and rank != SLICELESS:
+            store.wait([f"{prefix}/{info.step + 1}"], datetime.timedelta(seconds=30))
+
+    out = _sampler_run(
         rank,
         port,
-        "slice-deleted",
+        prefix,
         secret=SECRET,
         slices=True,
-        wrap_fetch=delete_first,
+        wrap_fetch=tamper_first,
         wrap_rank=SLICELESS,
+        on_step=on_step,
+        steps_log=True,
     )
+    out["unusable"] = [m for m in messages if "cannot run its part" in m]
+    return out
+
+
+def _slice_restart(rank: int, port: int) -> dict:
+    """Plans travel as slices under a fixed run id. The sampler reads every step of the epoch
+    (as a prefetching DataLoader does) while training checkpoints at the end of step 0; the job
+    restarts from that checkpoint with the same Store and run id and runs steps 1.. again."""
+    kwargs = dict(secret=SECRET, slices=True, run_id="restart-run", steps_log=True)
+    first = _sampler_run(rank, port, "slice-restart", **kwargs)
+    state = dict(first.pop("state"), step=1, offset=0)  # the checkpoint: the end of step 0
+    state.pop("plan", None)
+    second = _sampler_run(rank, port, "slice-restart", state=state, **kwargs)
+    return {
+        "first": [i for step, ids in first["steps"] if step == 0 for i in ids],
+        "resumed": second,
+        "first_error": first.get("error"),
+    }
 
 
 PREFETCH = 4  # micro-batches a DataLoader (prefetch_factor x num_workers) holds ahead
@@ -454,7 +565,8 @@ def _chaos(rank: int, tmp: str, port: int) -> None:
     scenario("garbage", _sampler_run, rank, port, "garbage")
     scenario("overwrite", _tamper_after_rank0, rank, port, "overwrite")
     scenario("delete", _tamper_after_rank0, rank, port, "delete")
-    scenario("slice-deleted", _slice_deleted, rank, port)
+    scenario("bad-slices", _bad_slices, rank, port)
+    scenario("slice-restart", _slice_restart, rank, port)
     scenario("prefetch-ahead", _prefetching_training, rank, PREFETCH + 1)
     scenario("prefetch-at-boundary", _prefetching_training, rank, 0)
     scenario("sampler-absent", _sampler_absent, rank, _scenario_store(tmp, "sampler-absent"))
@@ -550,7 +662,7 @@ def test_every_rank_raises_in_bounded_time_naming_the_culprit(
 ) -> None:
     culprit = CULPRIT[fault]
     for rank, r in enumerate(chaos):
-        if rank == culprit and fault not in ("raise", "stall"):
+        if rank == culprit and fault not in ("raise", "stall", "raise-hostile"):
             continue
         got = r[fault]
         assert got["timeout"] == T  # the job's timeout, not torch's 30 minutes
@@ -560,6 +672,8 @@ def test_every_rank_raises_in_bounded_time_naming_the_culprit(
         assert got["seconds"] <= 2 * T + SLACK, got
         if fault == "raise":
             assert f"rank {culprit} failed in wave 1: ValueError: boom" in got["message"]
+        elif fault == "raise-hostile":
+            assert f"rank {culprit} failed in wave 0: ValueError: boom" in got["message"]
         elif fault == "other-plan":
             assert " vs " in got["message"]
         elif fault == "stall":  # it resumed and reported, but after the others' timeout fired
@@ -579,13 +693,44 @@ def test_forged_board_records_are_ignored(chaos: list[dict]) -> None:
         assert r["seconds"] <= 2 * T + SLACK, r
 
 
+def _same_end(runs: list[dict]) -> None:
+    """Every rank ran the same plan in every step (same sources and digests), or ended with
+    the same error."""
+    assert len({json.dumps(r["digests"]) for r in runs}) == 1, [r["digests"] for r in runs]
+    assert len({r.get("error") for r in runs}) == 1, [r.get("error") for r in runs]
+
+
 @pytest.mark.timeout(180)
-def test_a_deleted_slice_raises_in_that_step_naming_its_rank(chaos: list[dict]) -> None:
-    runs = [r["slice-deleted"] for r in chaos]
+def test_a_bad_slice_makes_every_rank_fall_back_alike_naming_it(chaos: list[dict]) -> None:
+    """Finding 4 (a deleted, truncated or padded slice) and 5 (a tie: half the ranks' slices
+    forged): every rank runs the same fallback plan in that step, no sample is lost, the slice
+    error names exactly the ranks whose slices were bad, on every rank."""
+    runs = [r["bad-slices"] for r in chaos]
+    assert all(r.get("error") is None for r in runs), runs
+    _same_end(runs)
+    _exactly_once(runs)
+    by_step = {s: (src, why) for s, src, why, _ in runs[0]["digests"]}
+    assert by_step[1] == by_step[2] == ("fallback", "rejected"), by_step
     for r in runs:
-        assert r["ranks"] == [SLICELESS], r
-        assert r["step"] == 1 and "epoch 0 step 1" in r["error"], r
-    assert len({r["error"] for r in runs}) == 1
+        said = r["unusable"]
+        assert len(said) == 2, said
+        assert f"cannot run its part (rank {SLICELESS}: its slice is missing)" in said[0], said
+        assert all(f"rank {p}: its slice is malformed" in said[1] for p in TIED), said
+        assert f"rank {SLICELESS}:" not in said[1] and "rank 3:" not in said[1], said
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_with_slices_resumes_from_its_checkpoint(chaos: list[dict]) -> None:
+    """Finding 1: every slice was read before the checkpoint (end of step 0) was taken; the
+    restarted job runs steps 1.. on the same plans on every rank and trains each sample once."""
+    runs = [r["slice-restart"] for r in chaos]
+    assert all(r["first_error"] is None for r in runs), runs
+    resumed = [r["resumed"] for r in runs]
+    assert all(r.get("error") is None for r in resumed), resumed
+    _same_end(resumed)
+    assert resumed[0]["digests"][0][0] == 1  # it resumed at step 1
+    samples = [i for r in runs for i in r["first"]] + [i for r in resumed for i in r["samples"]]
+    assert sorted(samples) == list(range(len(make_lengths()))), "exactly-once broken"
 
 
 @pytest.mark.timeout(180)

@@ -182,8 +182,8 @@ def test_four_ranks_run_the_roots_plan_and_train_each_id_once() -> None:
 def test_a_rank_with_another_batch_makes_every_rank_raise() -> None:
     batches = _batches(3, seed=4, longest=2 * CAPACITY - 1)
     results = run_gloo(_broadcast_worker, world=2, args=(batches, 1), timeout=100, pg_timeout=20)
-    for r in results:
-        assert r[-1] == ("mismatch", (1,))
+    for r in results:  # two ranks, two plans: no majority, so no rank is named
+        assert r[-1] == ("mismatch", ())
         assert all(step[0] != "mismatch" for step in r[:-1])
 
 

@@ -35,7 +35,7 @@ from dyncp.control.signing import (
     is_fallback,
 )
 from dyncp.cost_model import CostModel
-from dyncp.plan import PlanError
+from dyncp.plan import PlanError, PlanSlice
 from dyncp.planner import Planner
 from dyncp.sampler import BatchSchedule, DynamicCPSampler
 from dyncp.service import (
@@ -103,7 +103,9 @@ def read_all(reader: PlanClient, steps: int, pause: float = 0.0) -> list:
     out = []
     for step in range(steps):
         fetched = reader.fetch(0, step)
-        out.append((plan_digest(fetched.plan), fetched.source, fetched.reason, fetched.ready))
+        plan = fetched.plan
+        digest = plan.digest if isinstance(plan, PlanSlice) else plan_digest(plan)
+        out.append((digest, fetched.source, fetched.reason, fetched.ready))
         time.sleep(pause)
     return out
 
@@ -299,7 +301,9 @@ def test_samplers_in_store_mode_share_the_service_plans(master) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> None:
+@pytest.mark.parametrize("slices", [False, True])
+def test_serve_command_runs_the_service_standalone(master, tmp_path: Path, slices: bool) -> None:
+    """With --slices the readers of slices get the service's plans (they rejected every step)."""
     lengths = make_lengths(seed=5)
     np.save(tmp_path / "lengths.npy", lengths)
     cmd = [
@@ -326,7 +330,9 @@ def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> No
         "0.05",
         "--duration",
         str(HANG_SECONDS),
+        *(["--slices", "--prefix", "cli-slices"] if slices else []),
     ]
+    prefix = "cli-slices" if slices else "cli"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         schedule = make_schedule(lengths)
@@ -334,9 +340,10 @@ def test_serve_command_runs_the_service_standalone(master, tmp_path: Path) -> No
             client(master),
             source=schedule,
             planner=make_planner(),
-            prefix="cli",
+            prefix=prefix,
             rank=0,
             deadline=HANG_SECONDS / 2,
+            slices=slices,
         )
         got = read_all(reader, schedule.num_steps(0))
     finally:
@@ -510,20 +517,13 @@ def test_bad_cursors_are_counted_and_the_service_keeps_serving(master) -> None:
     service = PlanService(
         client(master), source=schedule, planner=make_planner(), prefix="cur", secret=SECRET
     )
+    key = service.signer.private_key("dyncp/cur/cursor")  # the key rank 0 writes, here
     with service:
         for bad in (b"abc", b"", b"1 2 3", b"-1 0", b"0 x", b"9" * 40 + b" 0"):
-            master.set("dyncp/cur/cursor", bad)
+            master.set(key, bad)
             time.sleep(0.02)
         assert service.alive and service.counters.bad_cursors >= 1
-        reader = PlanClient(
-            client(master),
-            source=schedule,
-            planner=make_planner(),
-            prefix="cur",
-            rank=0,
-            deadline=HANG_SECONDS / 2,
-            secret=SECRET,
-        )
+        reader = PlanClient(client(master), **_signed_reader(schedule, "cur", HANG_SECONDS / 2))
         got = read_all(reader, 3)
     assert [g[1] for g in got] == ["service"] * 3
     assert service.counters.errors == service.counters.bad_cursors > 0
@@ -592,8 +592,47 @@ def test_a_forged_cursor_far_ahead_costs_no_step(master, secret: bytes | None) -
     master.set("dyncp/jump/cursor", b"0 60")
     if secret is None:
         assert service._read_cursor() == (0, 60)  # followed until rank 0 writes again
-    else:
-        assert service._read_cursor() == before and service.counters.bad_cursors >= 1
+    else:  # the cursor lives at a key the forger cannot name: the value is never read
+        assert service._read_cursor() == before and service.counters.bad_cursors == 0
+        key = service.signer.private_key("dyncp/jump/cursor")
+        master.set(key, b"0 60")  # unsigned, at the right key: refused
+        assert service._read_cursor() == before and service.counters.bad_cursors == 1
+
+
+def _signed_reader(schedule, prefix: str, deadline: float = HANG_SECONDS / 4) -> dict:
+    """The options of a signed reader rank 0 of ``prefix``."""
+    return dict(
+        source=schedule,
+        planner=make_planner(),
+        prefix=prefix,
+        rank=0,
+        deadline=deadline,
+        secret=SECRET,
+    )
+
+
+def test_a_cursor_rewritten_every_10_ms_costs_no_step_with_a_secret(master) -> None:
+    """A client writes "abc" at the cursor every 10 ms while the readers run 10 steps: with a
+    secret rank 0's cursor is at a key the client cannot name, so the service follows it."""
+    schedule = make_schedule(make_lengths(400))
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.wait(0.01):
+            master.set("dyncp/abc/cursor", b"abc")
+
+    attacker = threading.Thread(target=rewrite, daemon=True)
+    with PlanService(
+        client(master), source=schedule, planner=make_planner(), prefix="abc", secret=SECRET
+    ):
+        attacker.start()
+        reader = PlanClient(client(master), **_signed_reader(schedule, "abc"))
+        try:
+            got = [read_all_from(reader, step) for step in range(10)]
+        finally:
+            stop.set()
+            attacker.join()
+    assert [g[1] for g in got] == ["service"] * 10, got
 
 
 def read_all_from(reader: PlanClient, step: int) -> tuple:
@@ -690,7 +729,7 @@ def test_a_bad_cursor_rewritten_every_few_ms_logs_one_line(master, caplog) -> No
     with (
         caplog.at_level("WARNING", logger="dyncp.service"),
         PlanService(
-            client(master), source=schedule, planner=make_planner(), prefix="noisy", secret=SECRET
+            client(master), source=schedule, planner=make_planner(), prefix="noisy", secret=None
         ) as service,
     ):
         for _ in range(100):
@@ -786,6 +825,16 @@ def test_serve_startup_errors_are_one_line(
     assert expected in err[0], err
 
 
+def test_serve_with_a_secret_needs_a_run_id(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("DYNCP_PLAN_SECRET", SECRET.decode())
+    monkeypatch.delenv("DYNCP_RUN_ID", raising=False)
+    np.save(tmp_path / "lengths.npy", make_lengths())
+    status = serve_main(_serve("--dataset", str(tmp_path / "lengths.npy"), "--port", "9"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "plans are signed but no --run-id (or $DYNCP_RUN_ID) is given" in err[0], err
+
+
 def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
     np.save(tmp_path / "lengths.npy", np.array([5, WORLD * CAPACITY * 2]))
     status = serve_main(_serve("--dataset", str(tmp_path / "lengths.npy"), "--port", "9"))
@@ -795,7 +844,10 @@ def test_serve_overlong_sample_is_one_line(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.timeout(120)
 def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
+    """One line on stderr, nothing else (torch's client logs a dozen lines when its Store dies;
+    signed, so that no unauthenticated-channel warning is printed at start)."""
     np.save(tmp_path / "lengths.npy", make_lengths())
+    env = {**os.environ, "DYNCP_PLAN_SECRET": SECRET.decode(), "DYNCP_RUN_ID": "run-1"}
     store_proc = subprocess.Popen(
         [sys.executable, "-c", _MASTER], stdout=subprocess.PIPE, text=True
     )
@@ -807,6 +859,7 @@ def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         assert "dyncp.service.cli:" in serve.stdout.readline()  # serving
         store_proc.kill()
@@ -815,8 +868,8 @@ def test_serve_exits_nonzero_when_its_store_dies(tmp_path: Path) -> None:
     finally:
         store_proc.kill()
     assert serve.returncode == 1, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1 and "stopped serving" in lines[0], err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error: stopped serving" in lines[0], err
 
 
 _MASTER = """

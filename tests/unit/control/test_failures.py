@@ -3,8 +3,10 @@
 Properties asserted: a rank that raised is named first; else the ranks that stayed silent; else
 the ranks that arrived after the first timeout fired -- never a rank that timed out waiting, nor
 one whose connection closed behind a timeout within the margin; nobody when every rank reported
-in time. Unsigned, wrongly signed, garbled and out-of-range records are ignored and counted. The
-pool keeps a Store written in Python alive.
+in time. Unsigned, wrongly signed, garbled and out-of-range records are ignored and counted. A
+report cannot be replaced or removed by another Store client once written (write-once keys no
+client can predict, kept once read), and a poisoned counter decides nothing. The pool keeps a
+Store written in Python alive.
 """
 
 from __future__ import annotations
@@ -115,10 +117,10 @@ def test_the_survivors_wait_for_one_another_until_their_deadline() -> None:
 def test_unsigned_and_garbled_records_are_ignored_and_counted(record: bytes) -> None:
     store = dist.HashStore()
     b = board(store)
-    store.set("c0/w0/r1", record)
+    store.set(b._key(0, 1), record)  # at the real key (as if a client could guess it)
     store.set("c0/w0/r99", b"raised 0 1.0 1.0 beyond the axis")  # never read: not a position
-    store.add("c0/n", 5)
-    assert b.changed()  # the forger's counter bump only makes the waiters look...
+    store.set("c0/n", "abc")  # a poisoned counter: nothing reads it
+    assert b.changed()  # new keys only make the waiters look...
     assert b.reports(0) == {}  # ...at nothing that verifies
     assert b.forged == 1
     assert now_culprit(b).ranks == NAMES  # everyone silent: no forged blame
@@ -130,8 +132,27 @@ def test_records_sealed_with_another_key_or_for_another_slot_are_ignored() -> No
     report(other, 1, "raised", False, 1.0)
     b = board(store)
     report(b, 2, "raised", False, 1.0)
-    store.set("c0/w0/r3", store.get("c0/w0/r2"))  # a genuine record copied to another slot
-    assert set(b.reports(0)) == {2} and b.forged == 2
+    store.set(b._key(0, 3), store.get(b._key(0, 2)))  # a genuine record copied to another slot
+    assert set(b.reports(0)) == {2} and b.forged == 1  # the other key's reports: elsewhere
+
+
+def test_report_keys_cannot_be_predicted_without_the_secret() -> None:
+    keys = {board(secret=s)._key(0, p) for s in (SECRET, b"o" * 32) for p in range(4)}
+    assert len(keys) == 8 and not any(k.endswith(f"/r{p}") for k in keys for p in range(4))
+
+
+def test_a_report_cannot_be_replaced_or_removed_once_written() -> None:
+    """A second write to a slot leaves the first; a deletion after the report was read changes
+    nothing (the reader keeps what it verified)."""
+    store = dist.HashStore()
+    b = board(store)
+    report(b, 2, "raised", False, 1.0)
+    report(b, 2, "ok", False, 2.0)  # a later write to the same slot: the first stands
+    got = b.reports(0)
+    assert got[2].kind == "raised"
+    store.delete_key(b._key(0, 2))
+    store.set(b._key(0, 2), b"garbage")
+    assert b.reports(0)[2].kind == "raised" and now_culprit(b).ranks == (12,)
 
 
 @pytest.mark.parametrize(

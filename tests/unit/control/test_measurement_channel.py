@@ -1,5 +1,6 @@
-"""MeasurementChannel.drain: every pushed record reaches the calibrator once, in push order, even
-when a drain runs between a push's counter increment and its write."""
+"""MeasurementChannel.drain: every pushed record reaches the calibrator once, in push order; a
+missing record is waited for, then counted lost; no value another Store client writes (a
+poisoned head, the old counter) stops the pusher or the drain."""
 
 from __future__ import annotations
 
@@ -9,11 +10,7 @@ from dyncp.control.model_channel import MeasurementChannel
 from dyncp.control.signing import PlanSigner
 from dyncp.cost_model import load_profile
 from dyncp.cost_model.calibration.fit import Measurement
-from dyncp.cost_model.calibration.online import (
-    OnlineCalibrator,
-    decode_measurements,
-    encode_measurements,
-)
+from dyncp.cost_model.calibration.online import OnlineCalibrator, decode_measurements
 
 PROFILE = load_profile("cpu-gloo")
 SIGNER = PlanSigner(b"s" * 32)
@@ -35,33 +32,36 @@ def step_measurements(step: int) -> list[Measurement]:
     return [Measurement(1 + step % 2, (100 + step, 50), 1e-3 * (1 + step))]
 
 
-def half_push(store, step: int) -> str:
-    """What ``push`` does up to the write: the record's number is taken, nothing written yet."""
-    n = int(store.add("dyncp/job/meas/next", 1))
-    return f"dyncp/job/meas/{n}"
-
-
-def write(store, key: str, step: int) -> None:
-    store.set(key, SIGNER.seal(key, encode_measurements(step, step_measurements(step))))
-
-
-def test_a_record_numbered_but_not_yet_written_is_read_by_the_next_drain_in_order():
+def test_records_reach_the_drain_once_in_push_order():
     store = dist.HashStore()
     pusher = MeasurementChannel(store, "job", signer=SIGNER)
     service = MeasurementChannel(store, "job", signer=SIGNER)
     cal = Recording()
     pusher.push(0, step_measurements(0))
-    late = half_push(store, 1)  # a pusher between store.add and store.set
+    pusher.push(1, step_measurements(1))
+    service.drain(cal)
+    assert cal.fed == [0, 1]
     pusher.push(2, step_measurements(2))
     service.drain(cal)
-    assert cal.fed == [0]  # record 3 waits behind the gap: push order is kept
-    write(store, late, 1)
-    pusher.push(3, step_measurements(3))
     service.drain(cal)
-    assert cal.fed == [0, 1, 2, 3]
-    assert service.lost == 0 and cal.buffer.seen == 4
+    assert cal.fed == [0, 1, 2] and service.lost == 0  # nothing read twice
+
+
+def test_a_poisoned_counter_or_head_stops_neither_the_pusher_nor_the_drain():
+    """The old ``meas/next`` counter set to "abc" is read by nobody; a forged head is counted and
+    ignored, and the next genuine head is read from where the drain was."""
+    store = dist.HashStore()
+    store.set("dyncp/job/meas/next", "abc")
+    pusher = MeasurementChannel(store, "job", signer=SIGNER)
+    service = MeasurementChannel(store, "job", signer=SIGNER)
+    cal = Recording()
+    pusher.push(0, step_measurements(0))
     service.drain(cal)
-    assert cal.fed == [0, 1, 2, 3]  # nothing read twice
+    store.set("dyncp/job/meas/head", "abc")  # no pushes lost to it: the next push rewrites it
+    assert service.drain(cal) is None and service.bad_heads == 1
+    pusher.push(1, step_measurements(1))
+    service.drain(cal)
+    assert cal.fed == [0, 1] and service.lost == 0
 
 
 def test_a_record_never_written_is_counted_lost_after_the_grace_and_the_rest_read():
@@ -69,7 +69,8 @@ def test_a_record_never_written_is_counted_lost_after_the_grace_and_the_rest_rea
     pusher = MeasurementChannel(store, "job", signer=SIGNER)
     service = MeasurementChannel(store, "job", signer=SIGNER, grace=0.0)
     cal = Recording()
-    half_push(store, 0)  # the pusher died between the counter and the write
+    pusher.push(0, step_measurements(0))
+    store.delete_key(pusher._record_key(1))  # another client deleted it before any drain
     pusher.push(1, step_measurements(1))
     service.drain(cal)
     assert cal.fed == [1] and service.lost == 1

@@ -131,10 +131,10 @@ def master():
     return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
 
 
-def _reader(master, rank: int) -> PlanClient:
+def _reader(master, rank: int, prefix: str = "sl") -> PlanClient:
     store = dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=30))
     return PlanClient(
-        store, source=make_schedule(), planner=make_planner(), prefix="sl", rank=rank,
+        store, source=make_schedule(), planner=make_planner(), prefix=prefix, rank=rank,
         deadline=5.0, slices=True,
     )  # fmt: skip
 
@@ -149,29 +149,32 @@ def test_a_reader_of_slices_never_touches_the_whole_plan(master, monkeypatch) ->
     def forbidden(*args, **kwargs):
         raise AssertionError("a reader of slices touched the whole plan")
 
+    expected = own_slice(a_plan(), 5)
     monkeypatch.setattr(StepPlan, "validate", forbidden)
     monkeypatch.setattr(StepPlan, "from_json", forbidden)
     monkeypatch.setattr(plan_module, "plan_digest", forbidden)
     monkeypatch.setattr(service_module, "plan_digest", forbidden)
     got = _reader(master, 5).fetch(0, 1)
     assert got.source == "service" and got.plan.position == 5
-    expected = own_slice(a_plan(), 5)
     assert got.plan.waves == expected.waves and got.plan.digest == expected.digest
-    assert not master.check([slice_key(step_key("sl", 0, 1), 5)])  # read once, then deleted
+    assert master.check([slice_key(step_key("sl", 0, 1), 5)])  # kept (keep_steps): restarts
     assert max(sizes) < len(a_plan().to_json())
 
 
 def test_a_missing_slice_makes_its_rank_unable_to_run(master) -> None:
     service = PlanService(
-        master, source=make_schedule(), planner=make_planner(), prefix="sl", slices=True
+        master, source=make_schedule(), planner=make_planner(), prefix="sl-missing", slices=True
     )
     assert service.publish(0, 1)
-    master.delete_key(slice_key(step_key("sl", 0, 1), 2))
-    header = SliceHeader.from_json(master.get(step_key("sl", 0, 1)))
+    master.delete_key(slice_key(step_key("sl-missing", 0, 1), 2))
+    header = SliceHeader.from_json(master.get(step_key("sl-missing", 0, 1)))
     with pytest.raises(SliceUnavailable) as info:
-        _reader(master, 2).fetch(0, 1)
+        _reader(master, 2, "sl-missing").fetch(0, 1)
     assert info.value.digest == header.digest and "rank 2" in str(info.value)
-    assert _reader(master, 1).fetch(0, 1).source == "service"  # the others hold theirs
+    assert info.value.missing
+    assert (
+        _reader(master, 1, "sl-missing").fetch(0, 1).source == "service"
+    )  # the others hold theirs
 
 
 def _sampler(master, prefix: str, *, serve: bool = True):

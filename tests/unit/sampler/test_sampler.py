@@ -225,6 +225,22 @@ def test_options_are_checked() -> None:
         len(sampler)
 
 
+def test_signed_plans_from_a_standalone_service_need_a_run_id(monkeypatch) -> None:
+    """With a secret and no rank serving, a run id the service cannot know cannot be drawn:
+    the sampler refuses to start without one (it would fall back at every step, or accept an
+    earlier run's records), in one line naming the option."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("DYNCP_RUN_ID", raising=False)
+    lengths = make_lengths(50, seed=0, longest=CAPACITY)
+    planner = make_planner(1)
+    options = dict(world_size=1, rank=0, capacity=CAPACITY, planner=planner, global_batch_size=8)
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match=r"no run_id is set: give run_id= \(or \$DYNCP_RUN_ID\)"):
+        DynamicCPSampler(lengths, store=store, serve=False, secret=b"s" * 32, **options)
+    DynamicCPSampler(lengths, store=store, serve=False, secret=b"s" * 32, run_id="r1", **options)
+
+
 def test_lookahead_thread_gives_the_same_plans_and_hook_sees_each_step() -> None:
     lengths = make_lengths(200, seed=6)
     seen = []

@@ -371,7 +371,7 @@ def test_store_channels_carry_measurements_and_versions():
     assert models.latest() is None
     for step in range(3):
         pusher.push(step, *synthetic_step(rng, truth, outliers=0.0))
-    store.set("dyncp/job/meas/3", b"garbage")  # a hostile client overwrites the third record
+    store.set(pusher._record_key(3), b"garbage")  # a hostile client overwrites the third record
     new = service_side.drain(cal)
     assert cal.rejected == 1 and cal.buffer.seen == 32
     assert new is not None and new.version == 1
@@ -381,7 +381,7 @@ def test_store_channels_carry_measurements_and_versions():
     assert reader.get(7) is None
     for step in range(10):  # nobody drains: at most max_pending records stay
         pusher.push(step, *synthetic_step(rng, truth))
-    assert sum(store.check([f"dyncp/job/meas/{n}"]) for n in range(1, 20)) == 4
+    assert sum(store.check([pusher._record_key(n)]) for n in range(1, 20)) == 4
     store.set("dyncp/job/model/latest", b"not a number")
     assert reader.latest() is None and reader.rejected == 1
 
