@@ -131,9 +131,20 @@ class DynCPScheduler:
             **options,
         )
         self.topology = self.planner.topology
-        #: The last step's plan as dyncp planned it and as the release runs it (for metrics).
+        #: The last step's plan as dyncp planned it (for metrics; see ``last_release_plan``).
         self.last_plan: StepPlan | None = None
-        self.last_release_plan: StepPlan | None = None
+        self._last_rounds: tuple[list[list[list[int]]], list[int], list[int]] | None = None
+
+    @property
+    def last_release_plan(self) -> StepPlan | None:
+        """The last step's schedule as the release runs it (a micro-batch per sub-sample), built
+        when asked: metrics and benches read it, the data path never does."""
+        if self._last_rounds is None:
+            return None
+        rounds, ids, lengths = self._last_rounds
+        return plan_from_rounds(
+            _as_positions(rounds, ids), lengths, self.topology, policy="dyncp-megatron"
+        )
 
     @classmethod
     def for_wrapper(
@@ -192,9 +203,7 @@ class DynCPScheduler:
             rounds = self._rounds(lengths, ids)
         else:
             rounds = self._broadcast_rounds(lengths, ids)
-        self.last_release_plan = plan_from_rounds(
-            _as_positions(rounds, ids), lengths, self.topology, policy="dyncp-megatron"
-        )
+        self._last_rounds = (rounds, ids, lengths)
         return rounds
 
     def _rounds(self, lengths: list[int], ids: list[int]) -> list[list[list[int]]]:

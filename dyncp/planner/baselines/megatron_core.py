@@ -122,7 +122,8 @@ def plan_from_rounds(
             groups.setdefault(key, []).append(i)
         wave = []
         for (start, size), members in sorted(groups.items()):
-            order = [i for i in round_[start] if i in set(members)]
+            held = set(members)
+            order = [i for i in round_[start] if i in held]
             wave.append(Group(start, size, tuple(MicroBatch((i,)) for i in order)))
         if wave:
             waves.append(Wave(tuple(wave)))
