@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dyncp.cost_model.evaluate import evaluate_plan
+from dyncp.cost_model.evaluate import PlanCost, evaluate_plan
 from dyncp.cost_model.schema import INTEGRATIONS, Profile
 from dyncp.cost_model.sharding import collective_from_profile
 from dyncp.plan import StepPlan, pass_schedule
@@ -174,11 +174,13 @@ def step_parts(
     planned_seconds: float | None = None,
     integration: str | None = None,
     timing: str = "dataflow",
+    priced: PlanCost | None = None,
 ) -> StepParts:
     """``plan``'s step as named parts under ``model`` (a ``CostModel``: one built from a
     profile). ``planned_seconds`` (default: ``plan.stats["predicted_step_seconds"]``, else the
     plan priced under ``timing``) is the planner's price; ``integration`` as in
-    :func:`common_parts`."""
+    :func:`common_parts`; ``priced``: ``evaluate_plan(plan, model, timing=timing)`` where the
+    caller has it already (one pricing fewer)."""
     profile = getattr(model, "profile", None)
     if not isinstance(profile, Profile):
         raise ValueError(
@@ -187,7 +189,8 @@ def step_parts(
     # Built by the model's own class, so a calibrated or layer-mix model decomposes as priced.
     build = type(model)
     rpn = model.ranks_per_node  # type: ignore[attr-defined]
-    priced = evaluate_plan(plan, model, timing=timing)  # type: ignore[arg-type]
+    if priced is None:
+        priced = evaluate_plan(plan, model, timing=timing)  # type: ignore[arg-type]
     free = free_links(profile)
     no_comm = evaluate_plan(plan, build(free, rpn), timing=timing)
     bare = free.model_copy(update={"linear_seconds_per_token": 0.0, "step": None})

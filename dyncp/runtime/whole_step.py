@@ -102,8 +102,9 @@ class WholeStepCalibration:
         gathers them already)."""
         busiest = float(busiest_seconds)
         # The plan priced by the current version (a sampler's plan may carry an older one's).
-        planned = evaluate_plan(plan, self._model).step_seconds
-        parts = step_parts(plan, self._model, planned_seconds=planned).as_dict()
+        cost = evaluate_plan(plan, self._model)
+        parts = step_parts(plan, self._model, planned_seconds=cost.step_seconds, priced=cost)
+        parts = parts.as_dict()
         predicted = parts["total"] + self.fixed.fixed
         if self.collective.is_fitter:
             self.fixed.observe(step_seconds, min(busiest, step_seconds), parts)
