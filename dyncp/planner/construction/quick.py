@@ -35,7 +35,23 @@ from dyncp.plan import Group, MicroBatch, StepPlan, Wave
 from dyncp.planner.construction.packing import lpt, pack_ffd
 from dyncp.planner.construction.stretch import StretchCandidates
 
-__all__ = ["QuickConstructor"]
+__all__ = ["SEARCH_SECONDS_PER_SEQUENCE", "QuickConstructor", "quick_chosen"]
+
+#: Seconds per sequence the deterministic search takes (every candidate, then the local search),
+#: measured at 4,096 ranks on this project's 2-core machine (``bench/fallback_bench.py
+#: --search``: 177 s for the 66,860 sequences of 2 x 4,096 x 8,192 Wikipedia tokens; 0.69 ms
+#: per sequence at 64 ranks, 1.18 ms at 512: it grows with the world). The largest measured, so
+#: ``"auto"`` searches only where the search fits its limit at every world measured.
+SEARCH_SECONDS_PER_SEQUENCE = 2.65e-3
+
+
+def quick_chosen(construction: str, sequences: int, limit: float) -> bool:
+    """Whether a planner with ``construction`` (``PlannerConfig.construction``) builds a batch
+    of ``sequences`` quickly within ``limit`` seconds (a pure function of its arguments)."""
+    if construction == "auto":
+        return sequences * SEARCH_SECONDS_PER_SEQUENCE > limit
+    return construction == "quick"
+
 
 class QuickConstructor(StretchCandidates):
     """The quick construction of one batch (module docstring): ``best()`` returns its plan."""
