@@ -88,12 +88,15 @@ def search_seconds(world: int, lengths: np.ndarray) -> dict:
     t0 = time.perf_counter()
     plan = Planner(planner.model, config).plan(lengths)
     seconds = time.perf_counter() - t0
+    quick = planner.plan(lengths)
     return {
         "world": world,
         "sequences": len(lengths),
         "seconds": seconds,
         "ms_per_sequence": 1e3 * seconds / len(lengths),
         "step": plan.stats.predicted_step_seconds,
+        "fallback_step": quick.stats.predicted_step_seconds,
+        "constructor": quick.stats["constructor"],
     }
 
 
@@ -125,13 +128,18 @@ def main() -> None:
         )
     if args.search:
         rng = np.random.default_rng(0)
-        print("\n| N | sequences | deterministic search | per sequence | predicted step |")
-        print("|---|---|---|---|---|")
+        print(
+            "\n| N | sequences | deterministic search | per sequence | predicted step: search "
+            "| fallback (constructor) / search |"
+        )
+        print("|---|---|---|---|---|---|")
         for world in [int(w) for w in args.search.split(",")]:
             r = search_seconds(world, _batch_at(world, rng, raw))
             print(
                 f"| {world:,} | {r['sequences']:,} | {r['seconds']:.2f} s "
-                f"| {r['ms_per_sequence']:.2f} ms | {r['step']:.4f} s |",
+                f"| {r['ms_per_sequence']:.2f} ms | {r['step']:.4f} s "
+                f"| {r['fallback_step']:.4f} s ({r['constructor']}) / search = "
+                f"{r['fallback_step'] / r['step']:.4f} |",
                 flush=True,
             )
 

@@ -1,10 +1,10 @@
 """The quick construction: a plan in a few vectorised passes over the batch, for fallbacks at scale.
 
 The greedy constructor's deterministic search (``greedy``: every candidate, their local
-search) takes about 2.6 ms per sequence at 4,096 ranks here (177 s for the 66,860 sequences of
-one step, ``bench/fallback_bench.py``), far beyond the step it plans. A rank that falls back
-plans its step itself, inside the step, so the plan service's fallback needs a plan whose cost
-grows like the batch's size, with small constants. This construction is that plan, a pure
+search) took 177 s for the 66,860 sequences of one step at 4,096 ranks, far beyond the step it
+plans (``SEARCH_SECONDS_PER_SEQUENCE``). A rank that falls back plans its step itself, inside
+the step, so the plan service's fallback needs a plan whose cost grows like the batch's size,
+with small constants. This construction is that plan, a pure
 function of the batch (no clock, ties broken by index):
 
 1. CP sizes by the stretch rule (``StretchCandidates.choose_sizes(1.0)``: the size cheapest in
@@ -37,11 +37,12 @@ from dyncp.planner.construction.stretch import StretchCandidates
 
 __all__ = ["SEARCH_SECONDS_PER_SEQUENCE", "QuickConstructor", "quick_chosen"]
 
-#: Seconds per sequence the deterministic search takes (every candidate, then the local search),
-#: measured at 4,096 ranks on this project's 2-core machine (``bench/fallback_bench.py
-#: --search``: 177 s for the 66,860 sequences of 2 x 4,096 x 8,192 Wikipedia tokens; 0.69 ms
-#: per sequence at 64 ranks, 1.18 ms at 512: it grows with the world). The largest measured, so
-#: ``"auto"`` searches only where the search fits its limit at every world measured.
+#: Seconds per sequence the deterministic search takes (every candidate, then the local search)
+#: at 4,096 ranks: 177 s for the 66,860 sequences of 2 x 4,096 x 8,192 Wikipedia tokens
+#: (``bench/control_plane_bench.py --offline --policy dyncp --fallback``, issue 39). Per sequence
+#: it grows with the world (``bench/fallback_bench.py --search 64,512,4096``, one run on a loaded
+#: machine: 2.3, 6.1 and 9.9 ms), so the rate at the largest world measured makes ``"auto"``
+#: search only batches whose search fits the limit at every world up to it.
 SEARCH_SECONDS_PER_SEQUENCE = 2.65e-3
 
 
