@@ -38,6 +38,7 @@ SECRET = b"a-per-job-secret-of-32-bytes...."
 OTHER_SECRET = b"another-jobs-secret-of-32-bytes."
 WAIT = 4.0  # seconds the readers wait for the service at start (service_wait)
 LATE = 1.5  # seconds after the readers start that the late service starts
+TOKENS = 2 * WORLD * CAPACITY  # per global batch
 
 
 @functools.lru_cache
@@ -52,12 +53,6 @@ def _planner() -> Planner:
 def _lengths() -> np.ndarray:
     rng = np.random.default_rng(3)
     return np.clip(rng.lognormal(5.5, 1.2, 60).astype(np.int64), 1, WORLD * CAPACITY)
-
-
-def _schedule() -> BatchSchedule:
-    return BatchSchedule(
-        _lengths(), max_length=WORLD * CAPACITY, global_batch_tokens=2 * WORLD * CAPACITY
-    )
 
 
 #: scenario -> (the readers' run_id, what the test process serves at the scenario's prefix)
@@ -121,7 +116,7 @@ def _readers(rank: int, world: int, port: int) -> dict:
 def _service(store: dist.Store, prefix: str, *, secret: bytes | None, run_id: str) -> PlanService:
     return PlanService(
         dist.TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=30)),
-        source=_schedule(),
+        source=BatchSchedule(_lengths(), max_length=WORLD * CAPACITY, global_batch_tokens=TOKENS),
         planner=_planner(),
         prefix=prefix,
         secret=secret,
