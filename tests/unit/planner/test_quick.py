@@ -93,3 +93,14 @@ def test_construction_is_checked() -> None:
     model = CostModel.load("h100-reference", ranks_per_node=8)
     with pytest.raises(ValueError, match="unknown construction 'fast'; choose one of search"):
         Planner(model, world=8, ranks_per_node=8, capacity=4096, construction="fast")
+
+
+def test_quick_plans_of_the_hybrid_policy_choose_head_splits() -> None:
+    model = CostModel.load("h100-reference", ranks_per_node=8)
+    topo = dict(world=16, ranks_per_node=8, capacity=8192, head_sizes=(1, 2, 4, 8))
+    quick = Planner(model, policy="dyncp-hybrid", deterministic=True, cpsat=None, **topo)
+    quick = Planner(model, dataclasses.replace(quick.config, construction="quick"))
+    plan = quick.plan(_wikipedia(16, seed=5))
+    plan.validate()
+    assert plan.stats["constructor"] == "quick" and plan.policy == "dyncp-hybrid"
+    assert any(g.heads > 1 for _, g, _ in plan.microbatches())
