@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
+from dyncp.service.run_check import RUN_CHECK_SECONDS
 
 __all__ = ["SamplerConfig"]
 
@@ -55,6 +56,10 @@ class SamplerConfig:
             when a rank of the job serves in-process (the default), an id drawn for this run and
             shared over the agreement group; else none. A standalone ``python -m dyncp.service``
             must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
+        service_wait: with a store and a secret, seconds a rank waits before its first step
+            for the plan service to announce that it serves this run
+            (``dyncp.service.run_check``; it may start after the ranks); a service of another
+            run, without the secret, or none by then is one ``ServiceRunError`` on every rank.
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``, or ``lookahead`` / ``agree_ahead`` not
@@ -80,6 +85,7 @@ class SamplerConfig:
     run_id: str | None = None
     slices: bool = False
     budget: StepBudget | None = DEFAULT_STEP_BUDGET
+    service_wait: float = RUN_CHECK_SECONDS
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -88,3 +94,5 @@ class SamplerConfig:
             raise ValueError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
         if not isinstance(self.agree_ahead, int) or self.agree_ahead < 0:
             raise ValueError(f"agree_ahead must be an integer >= 0, got {self.agree_ahead!r}")
+        if not isinstance(self.service_wait, int | float) or not 0 <= self.service_wait < 1e7:
+            raise ValueError(f"service_wait must be seconds in [0, 1e7), got {self.service_wait!r}")
