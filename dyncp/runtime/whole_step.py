@@ -105,7 +105,7 @@ class WholeStepCalibration:
         cost = evaluate_plan(plan, self._model)
         parts = step_parts(plan, self._model, planned_seconds=cost.step_seconds, priced=cost)
         parts = parts.as_dict()
-        predicted = parts["total"] + self.fixed.fixed
+        predicted = self.fixed.predict(parts)
         if self.collective.is_fitter:
             self.fixed.observe(step_seconds, min(busiest, step_seconds), parts)
         new = self.collective.step(plan, report)

@@ -34,10 +34,17 @@ import numpy as np
 
 from dyncp.cost_model.schema import Profile, StepCosts
 
-__all__ = ["StepFit", "with_fixed_seconds"]
+__all__ = ["StepFit", "whole_step_seconds", "with_fixed_seconds"]
 
 #: Entries of ``plan.stats["step_parts"]`` a step needs to be calibrated on.
 _NEEDED = ("synchronisation", "gradient_reduction", "optimizer")
+
+
+def whole_step_seconds(parts: Mapping[str, float], fixed: float) -> float:
+    """The whole step of ``parts`` (``StepParts.as_dict()``) with the per-step fixed part
+    ``fixed`` in place of the one the parts were priced with (the profile's ``fixed_seconds``,
+    which a fit replaces, never adds to)."""
+    return float(parts["total"]) - float(parts["fixed"]) + float(fixed)
 
 
 def with_fixed_seconds(profile: Profile, seconds: float) -> Profile:
@@ -84,6 +91,10 @@ class StepFit:
         self._since = 0
         self.refused = 0
         self.adoptions = 0
+
+    def predict(self, parts: Mapping[str, float]) -> float:
+        """The whole step of ``parts`` with the current fixed part (:func:`whole_step_seconds`)."""
+        return whole_step_seconds(parts, self.fixed)
 
     def observe(
         self, step_seconds: float, busy_seconds: float, parts: Mapping[str, float]

@@ -76,3 +76,19 @@ def test_bad_settings_name_what_is_allowed() -> None:
         StepFit(load_profile("cpu-gloo"), window=2)
     with pytest.raises(ValueError, match="fixed seconds must be finite and >= 0"):
         with_fixed_seconds(load_profile("cpu-gloo"), -1.0)
+
+
+def test_the_fitted_fixed_part_replaces_the_profiles() -> None:
+    """A profile that prices a fixed part already: the prediction counts it once, the fitted
+    value in place of the profile's (added on top, a 0.25 s profile would predict 0.25 s long)."""
+    profile = with_fixed_seconds(load_profile("cpu-gloo"), 0.25)
+    fit = StepFit(profile)
+    parts = {**PARTS, "fixed": 0.25, "planned": 0.3}
+    parts["total"] = parts["planned"] + sum(PARTS.values()) - PARTS["synchronisation"] + 0.25
+    assert fit.fixed == 0.25
+    assert fit.predict(parts) == pytest.approx(parts["total"], rel=1e-12)
+    rng = np.random.default_rng(3)
+    for wall, busy in measured(rng, 0.1, 12, sigma=0.01):
+        fit.observe(wall, busy, PARTS)
+    assert fit.fixed == pytest.approx(0.1, rel=0.1)
+    assert fit.predict(parts) == pytest.approx(parts["total"] - 0.25 + fit.fixed, rel=1e-12)
