@@ -167,7 +167,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                         "predicted": _predicted(plan, args, fixed),
                         "predicted_planned": plan.stats["predicted_step_seconds"],
                         "predicted_online": online,
-                        "step_parts": {**parts, "fixed": fixed},
+                        "step_parts": parts,
+                        "fitted_fixed": fixed,
                         "model_version": plan.stats["model_version"],
                         "waves": len(plan.waves),
                         "cp": sorted(set(plan.cp_of_sequences().values())),
@@ -190,14 +191,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             "coefficients_before": last.coefficients_before,
             "coefficients_after": last.coefficients_after,
         }
+        if rank == 0 and args.save_profile:
+            calibrator.save(args.save_profile)
     result["step_fit"] = {
         "fixed_before": calib.fixed.initial_fixed,
         "fixed_after": calib.fixed.fixed,
         "adoptions": calib.fixed.adoptions,
         "refused": calib.fixed.refused,
     }
-        if rank == 0 and args.save_profile:
-            calibrator.save(args.save_profile)
     return result
 
 
