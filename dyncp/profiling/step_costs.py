@@ -11,7 +11,7 @@ What is timed, on the machine the profiler runs on (``dyncp.cost_model.step_part
   update;
 - the gradient all-reduce over all ranks (under torchrun): the median ``all_reduce`` of a buffer
   of the model's gradient bytes, and the median ``runtime.reduce_gradients`` (the runtime's
-  reduction: one all-reduce per parameter tensor), recorded in the provenance beside the price
+  reduction: one all-reduce per bucket of gradients), recorded in the provenance beside the price
   the profile's links give it, so a reader sees whether the links describe the data-parallel
   collective too (the calibration's fixed part absorbs what they miss), with the load average;
 - the embedding and the LM head are part of the profiler's measured linear work (it times the
@@ -88,7 +88,7 @@ def with_step_costs(profile: Profile, measured: dict, *, world: int, command: st
             f"; measured all-reduce of the gradients over {world} ranks "
             f"{measured['all_reduce_seconds']:.3g} s as one buffer, "
             f"{measured['reduce_gradients_seconds']:.3g} s as runtime.reduce_gradients runs it "
-            f"(one per parameter tensor), priced by the links {priced:.3g} s"
+            f"(in buckets), priced by the links {priced:.3g} s"
         )
     if "load_average" in measured:
         note += f"; load average {measured['load_average']:.2f} when measured"
