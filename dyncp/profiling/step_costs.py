@@ -21,6 +21,7 @@ What is timed, on the machine the profiler runs on (``dyncp.cost_model.step_part
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -92,6 +93,8 @@ def with_step_costs(profile: Profile, measured: dict, *, world: int, command: st
         )
     if "load_average" in measured:
         note += f"; load average {measured['load_average']:.2f} when measured"
+    if "date" in measured:
+        note += f" on {measured['date']}"
     data["provenance"]["notes"] = [*data["provenance"]["notes"], note]
     return Profile.model_validate(data)
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     launcher = f"torchrun --nproc-per-node {world}" if distributed else "python"
     command = f"{launcher} -m dyncp.profiling.step_costs " + " ".join(argv or sys.argv[1:])
     measured["load_average"] = os.getloadavg()[0]
+    measured["date"] = datetime.date.today().isoformat()
     if not distributed or dist.get_rank() == 0:
         profile = with_step_costs(base, measured, world=world, command=command)
         args.out.write_text(profile.to_json())
