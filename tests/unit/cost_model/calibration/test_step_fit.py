@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds
-from dyncp.cost_model.schema import load_profile
+from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds, with_parameters
+from dyncp.cost_model.schema import Profile, load_profile
+from dyncp.cost_model.step_parts import common_parts
 
 PARTS = {"synchronisation": 0.01, "gradient_reduction": 0.05, "optimizer": 0.02}
 
@@ -92,3 +94,22 @@ def test_the_fitted_fixed_part_replaces_the_profiles() -> None:
         fit.observe(wall, busy, PARTS)
     assert fit.fixed == pytest.approx(0.1, rel=0.1)
     assert fit.predict(parts) == pytest.approx(parts["total"] - 0.25 + fit.fixed, rel=1e-12)
+
+
+def test_the_trained_models_parameters_price_its_reduction_and_optimizer() -> None:
+    """A profile measured on one model prices another's step by its parameter count: the
+    optimizer and the all-reduce scale with it, the seconds per parameter stay the profile's."""
+    base = load_profile("cpu-gloo")
+    bigger = with_parameters(base, 10 * base.step.parameters)
+    assert bigger.step.optimizer_seconds_per_parameter == base.step.optimizer_seconds_per_parameter
+    a = common_parts(base, world=2, ranks_per_node=2)
+    b = common_parts(bigger, world=2, ranks_per_node=2)
+    assert b[1] == pytest.approx(10 * a[1], rel=1e-12)
+    assert b[0] > a[0]
+    data = json.loads(base.to_json())
+    data["schema_version"] = 1
+    del data["step"]
+    with pytest.raises(ValueError, match="has no step section"):
+        with_parameters(Profile.model_validate(data), 1000)
+    with pytest.raises(ValueError, match="parameters must be >= 0, got -1"):
+        with_parameters(base, -1)
