@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from dyncp.cost_model.calibration.level import scaled_profile
+from dyncp.cost_model.calibration.measurements import Measurement
 from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds, with_parameters
 from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.cost_model.step_parts import common_parts
@@ -113,3 +115,21 @@ def test_the_trained_models_parameters_price_its_reduction_and_optimizer() -> No
         with_parameters(Profile.model_validate(data), 1000)
     with pytest.raises(ValueError, match="parameters must be >= 0, got -1"):
         with_parameters(base, -1)
+
+
+def test_a_micro_batch_level_leaves_the_steps_outside_part_alone() -> None:
+    """The level calibration scales micro-batch times: the step's per-token embedding and head
+    (inside every micro-batch) scale with it, the optimizer and the fixed part (outside them,
+    StepFit's) do not, so a 3x slower micro-batch regime does not triple AdamW."""
+    base = with_fixed_seconds(load_profile("cpu-gloo"), 0.01)
+    data = json.loads(base.to_json())
+    data["step"]["embedding_seconds_per_token"] = 1e-7
+    base = Profile.model_validate(data)
+    checks = [Measurement(1, (300, 700), 0.01), Measurement(2, (1500,), 0.02)]
+    scaled = scaled_profile(base, 3.0, ranks_per_node=2, check=checks)
+    assert scaled.step.embedding_seconds_per_token == pytest.approx(3e-7, rel=1e-12)
+    assert scaled.step.optimizer_seconds_per_parameter == base.step.optimizer_seconds_per_parameter
+    assert scaled.step.fixed_seconds == base.step.fixed_seconds
+    assert common_parts(scaled, world=2, ranks_per_node=2)[1:] == pytest.approx(
+        common_parts(base, world=2, ranks_per_node=2)[1:], rel=1e-12
+    )
