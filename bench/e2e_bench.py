@@ -6,7 +6,7 @@
 
 The same seeded global batches of real document lengths (bundled Wikipedia sample, truncated to
 ``--max-length``) go through the tiny decoder of ``profiles/cpu-gloo``, once per policy, the
-policies interleaved batch by batch so that machine drift hits them alike. A measured step is a
+policies interleaved run by run so that machine drift hits them alike. A measured step is a
 whole training step, as a user's loop runs it: ``runtime.execute`` (forward + backward of every
 micro-batch over gloo rings, the waves' synchronisations), ``runtime.reduce_gradients`` (the
 gradients SUMmed over the DP x CP ranks) and an AdamW step; its time is the slowest rank's wall
@@ -73,30 +73,43 @@ def _planners(model: CostModel, args: argparse.Namespace, world: int) -> dict[st
     }
 
 
-def _timed_step(plan, pool, model, optim, tokens, args) -> tuple[float, float, object]:
-    """Medians over ``--repeats`` of the slowest rank's step wall clock and of the busiest
-    rank's micro-batch busy time; the last report. A step is execute() + the gradient
-    all-reduce + AdamW (``--micro-batches-only``: execute() alone)."""
+def _timed_run(plan, pool, model, optim, tokens, args) -> tuple[float, float, object]:
+    """One step: the slowest rank's wall clock, the busiest rank's micro-batch busy time and
+    this rank's report. A step is execute() + the gradient all-reduce + AdamW
+    (``--micro-batches-only``: execute() alone)."""
 
     def step_fn(ctx) -> None:
         packed = torch.cat([tokens[i] for i in ctx.seq_ids])
         microbatch_loss(model, ctx, packed, kernel="auto").backward()
 
-    walls, busiest = [], []
-    report = None
+    pool.barrier()
+    t0 = time.perf_counter()
+    report = execute(plan, pool, step_fn)
+    if not args.micro_batches_only:
+        reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis, as a trainer does
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+    t = torch.tensor([time.perf_counter() - t0, report.busy_seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1]), report
+
+
+def _timed_batch(plans: dict, pool, model, optim, tokens, args) -> dict:
+    """Each policy's medians over ``--repeats`` runs (wall clock, busiest busy time) and last
+    report, the policies taken in turn run by run: a burst of load on a shared machine lands
+    on every policy alike, not on the one that happened to be running."""
+    runs: dict[str, list] = {name: [] for name in plans}
     for _ in range(args.repeats):
-        pool.barrier()
-        t0 = time.perf_counter()
-        report = execute(plan, pool, step_fn)
-        if not args.micro_batches_only:
-            reduce_gradients(model, pool=pool)  # SUM over the DP x CP axis, as a trainer does
-            optim.step()
-        optim.zero_grad(set_to_none=True)
-        t = torch.tensor([time.perf_counter() - t0, report.busy_seconds], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        walls.append(float(t[0]))
-        busiest.append(float(t[1]))
-    return statistics.median(walls), statistics.median(busiest), report
+        for name, plan in plans.items():
+            runs[name].append(_timed_run(plan, pool, model, optim, tokens, args))
+    return {
+        name: (
+            statistics.median(r[0] for r in got),
+            statistics.median(r[1] for r in got),
+            got[-1][2],
+        )
+        for name, got in runs.items()
+    }
 
 
 def _predicted(plan, args, fixed: float) -> float:
@@ -149,9 +162,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         span = range(args.warmup) if phase == "warmup" else range(args.warmup, len(batches))
         for b in span:
             order = POLICIES[b % 3 :] + POLICIES[: b % 3]
-            for name in order:
-                plan = VersionedPlanner(planners[name], version).plan(batches[b])
-                seconds, busiest, report = _timed_step(plan, pool, model, optim, tokens[b], args)
+            plans = {n: VersionedPlanner(planners[n], version).plan(batches[b]) for n in order}
+            timed = _timed_batch(plans, pool, model, optim, tokens[b], args)
+            for name, plan in plans.items():
+                seconds, busiest, report = timed[name]
                 online = None
                 if phase == "before":  # collective: measurements -> refits -> version, fixed
                     seen = calib.step(plan, report, step_seconds=seconds, busiest_seconds=busiest)
