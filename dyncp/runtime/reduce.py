@@ -37,8 +37,8 @@ __all__ = ["BUCKET_BYTES", "naming_failures", "reduce_gradients", "reduce_loss"]
 #: Gradient bytes per all-reduce of ``reduce_gradients``: torch DDP's default bucket
 #: (``bucket_cap_mb=25``). One call per parameter tensor pays a call's latency per tensor: on 2
 #: gloo processes the tiny decoder's 17 tensors took 33.5 ms that way against 1.2 ms as one
-#: buffer (medians of 30, same run), and the cost model prices the reduction as one buffer of the
-#: gradients' bytes (``dyncp.cost_model.step_parts``).
+#: buffer (medians of 30 interleaved, load average 6.4), and the cost model prices the
+#: reduction as one buffer of the gradients' bytes (``dyncp.cost_model.step_parts``).
 BUCKET_BYTES = 25 * 2**20
 
 
