@@ -204,7 +204,14 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else None
     calib = None
     if args.calibrate:  # the plans stay the sampler's; the predictions follow the measurements
-        calib = WholeStepCalibration(pool, planner.model.profile, ranks_per_node=per_node)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global
+        calib = WholeStepCalibration(
+            pool,
+            planner.model.profile,
+            ranks_per_node=per_node,
+            integration="fsdp2-once",  # FSDPRunner: one gather, one scatter a step
+            parameters=trained,
+        )
     if rank == 0:
         how = "calibrating online (--no-calibrate to compare)" if calib else "not calibrating"
         source = planner.model.profile.provenance.source
@@ -251,10 +258,12 @@ def main() -> None:
             st = plan.stats
             predicted = st["step_parts"]["total"] if seen is None else seen.predicted_seconds
             version = "" if calib is None else f" v{calib.current.version}"
+            mbs = "" if seen is None else f", predicted {seen.predicted_busy_seconds:.2f} s"
             print(
                 f"step {step:3d}: loss {loss:.4f}  docs {len(plan.lengths):3d} (longest "
                 f"{max(plan.lengths)})  cp sizes {sizes}  waves {st['waves']}  measured "
-                f"{seconds:.2f} s  predicted {predicted:.2f} s ({profile}{version}, whole step)  "
+                f"{seconds:.2f} s (micro-batches {busy_all.max():.2f} s{mbs})  predicted "
+                f"{predicted:.2f} s ({profile}{version}, whole step)  "
                 f"error {abs(predicted - seconds) / seconds:.1%}",
                 flush=True,
             )

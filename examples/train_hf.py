@@ -158,14 +158,6 @@ def main() -> None:
         cpsat=None,
         step_parts=True,  # the whole step's parts, printed below
     )  # identical on every rank
-    calib = None
-    if args.calibrate:
-        calib = WholeStepCalibration(pool, profile, ranks_per_node=per_node)
-        if not args.sampler:  # the sampler's lookahead thread keeps its own planner
-            planner = VersionedPlanner(planner, calib.current)
-    if rank == 0:
-        how = "calibrating online (--no-calibrate to compare)" if calib else "not calibrating"
-        print(f"cost model: profile {args.profile} ({profile.provenance.source}); {how}")
     metrics = None
     if rank == 0 and args.metrics_port is not None:  # step metrics once per job, from rank 0
         metrics = Metrics(cp_sizes=planner.topology.group_sizes)
@@ -178,6 +170,17 @@ def main() -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model = model.to(device).train()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calib = None
+    if args.calibrate:  # the reduction and AdamW priced for this model's parameters
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        calib = WholeStepCalibration(
+            pool, profile, ranks_per_node=per_node, integration="ddp", parameters=trained
+        )
+        if not args.sampler:  # the sampler's lookahead thread keeps its own planner
+            planner = VersionedPlanner(planner, calib.current)
+    if rank == 0:
+        how = "calibrating online (--no-calibrate to compare)" if calib else "not calibrating"
+        print(f"cost model: profile {args.profile} ({profile.provenance.source}); {how}")
 
     raw = load_lengths(resolve_dataset(args.dataset))
     lengths, admission = admit(raw, args.max_length, "truncate")
@@ -230,11 +233,12 @@ def main() -> None:
             sizes = sorted(set(plan.cp_of_sequences().values()))
             predicted = st["step_parts"]["total"] if seen is None else seen.predicted_seconds
             version = "" if calib is None else f" v{calib.current.version}"
+            mbs = "" if seen is None else f" predicted {seen.predicted_busy_seconds:.3f} s"
             print(
                 f"step {step}: loss {loss.item():.4f}  docs {len(batch)} ({truncated} truncated)  "
                 f"waves {st['waves']}  "
                 f"cp sizes {sizes}  measured {seconds:.3f} s (busiest rank in micro-batches "
-                f"{busy_all.max():.3f} s)  predicted "
+                f"{busy_all.max():.3f} s{mbs})  predicted "
                 f"{predicted:.3f} s ({args.profile}{version}, whole step)  error "
                 f"{abs(predicted - seconds) / seconds:.1%}  imbalance measured "
                 f"{busy_all.max() / busy_all.mean():.3f} predicted {st['imbalance']:.3f}"

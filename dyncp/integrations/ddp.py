@@ -10,7 +10,8 @@ number of backwards; a dyncp plan gives ranks different micro-batch counts (none
 in the whole step), and plain DDP hangs. :meth:`DDPRunner.step` runs the plan inside
 ``model.no_sync()`` (gradients accumulate locally, DDP issues nothing) and then sums the gradients
 once over DDP's process group with :func:`dyncp.runtime.reduce_gradients` (one all-reduce per
-parameter, in the same order on every rank; a rank without a gradient sends zeros). Summing (not
+25 MiB bucket of gradients, in the same order on every rank; a rank without a gradient sends
+zeros). Summing (not
 DDP's averaging) of ``ctx.loss_scale``-weighted losses gives exactly the gradients of the global
 batch's mean token loss. Frozen parameters (``requires_grad=False``) are left out, as DDP leaves
 them out: their ``.grad`` stays None, so an optimizer with weight decay never moves them.

@@ -10,9 +10,10 @@ What is timed, on the machine the profiler runs on (``dyncp.cost_model.step_part
   the slowest rank, divided by the parameter count: seconds per parameter of one unsharded
   update;
 - the gradient all-reduce over all ranks (under torchrun): the median ``all_reduce`` of a buffer
-  of the model's gradient bytes, recorded in the provenance beside the price the profile's links
-  give it, so a reader sees whether the links describe the data-parallel collective too (the
-  calibration's fixed part absorbs what they miss);
+  of the model's gradient bytes, and the median ``runtime.reduce_gradients`` (the runtime's
+  reduction: one all-reduce per bucket of gradients), recorded in the provenance beside the price
+  the profile's links give it, so a reader sees whether the links describe the data-parallel
+  collective too (the calibration's fixed part absorbs what they miss), with the load average;
 - the embedding and the LM head are part of the profiler's measured linear work (it times the
   whole model: ``dyncp.profiling.measure``), so they are written as 0, never counted twice.
 """
@@ -20,6 +21,7 @@ What is timed, on the machine the profiler runs on (``dyncp.cost_model.step_part
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -33,6 +35,7 @@ from dyncp.cost_model.schema import Profile, load_profile
 from dyncp.cost_model.step_parts import common_parts
 from dyncp.profiling.decoder import MODELS, TinyDecoder
 from dyncp.profiling.measure import median_seconds
+from dyncp.runtime import reduce_gradients
 
 __all__ = ["measure_step_costs", "with_step_costs"]
 
@@ -62,10 +65,14 @@ def measure_step_costs(
             "integration": "ddp",
         },
         "all_reduce_seconds": None,
+        "reduce_gradients_seconds": None,
     }
     if dist.is_initialized() and dist.get_world_size() > 1:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         out["all_reduce_seconds"] = median_seconds(lambda: dist.all_reduce(flat), repeats, sync)
+        out["reduce_gradients_seconds"] = median_seconds(
+            lambda: reduce_gradients(model), repeats, sync
+        )
     return out
 
 
@@ -80,8 +87,14 @@ def with_step_costs(profile: Profile, measured: dict, *, world: int, command: st
         priced = common_parts(candidate, world=world, ranks_per_node=world)[0]
         note += (
             f"; measured all-reduce of the gradients over {world} ranks "
-            f"{measured['all_reduce_seconds']:.3g} s, priced by the links {priced:.3g} s"
+            f"{measured['all_reduce_seconds']:.3g} s as one buffer, "
+            f"{measured['reduce_gradients_seconds']:.3g} s as runtime.reduce_gradients runs it "
+            f"(in buckets), priced by the links {priced:.3g} s"
         )
+    if "load_average" in measured:
+        note += f"; load average {measured['load_average']:.2f} when measured"
+    if "date" in measured:
+        note += f" on {measured['date']}"
     data["provenance"]["notes"] = [*data["provenance"]["notes"], note]
     return Profile.model_validate(data)
 
@@ -101,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     base = load_profile(args.into)
     torch.manual_seed(0)
     measured = measure_step_costs(TinyDecoder(MODELS[args.model]), repeats=args.repeats)
-    command = "python -m dyncp.profiling.step_costs " + " ".join(argv or sys.argv[1:])
+    launcher = f"torchrun --nproc-per-node {world}" if distributed else "python"
+    command = f"{launcher} -m dyncp.profiling.step_costs " + " ".join(argv or sys.argv[1:])
+    measured["load_average"] = os.getloadavg()[0]
+    measured["date"] = datetime.date.today().isoformat()
     if not distributed or dist.get_rank() == 0:
         profile = with_step_costs(base, measured, world=world, command=command)
         args.out.write_text(profile.to_json())

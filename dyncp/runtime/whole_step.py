@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dyncp.cost_model.calibration import ModelVersion, OnlineCalibrator
-from dyncp.cost_model.calibration.step_fit import StepFit
+from dyncp.cost_model.calibration.step_fit import StepFit, with_parameters
 from dyncp.cost_model.evaluate import evaluate_plan
-from dyncp.cost_model.schema import Profile
+from dyncp.cost_model.schema import INTEGRATIONS, Profile
 from dyncp.cost_model.step_parts import step_parts
 from dyncp.plan import StepPlan
 from dyncp.runtime.executor import RankReport
@@ -42,12 +42,15 @@ class StepSeen:
 
     ``new_version`` is the cost-model version adopted after this step on every rank (None: no
     change); ``predicted_seconds`` and ``error`` are meaningful on the fitting rank only.
+    ``predicted_busy_seconds`` is the part of the prediction that ``busy_seconds`` measures (the
+    busiest rank's micro-batches), so an error can be told apart: micro-batches, or the rest.
     """
 
     predicted_seconds: float
     measured_seconds: float
     busy_seconds: float
     new_version: ModelVersion | None
+    predicted_busy_seconds: float = float("nan")
 
     @property
     def error(self) -> float:
@@ -63,6 +66,12 @@ class WholeStepCalibration:
         profile: the profile the job starts from.
         ranks_per_node: as the planner's.
         refit_every, min_measurements: the micro-batch calibrator's (``OnlineCalibrator``).
+        integration: how the loop reduces gradients and updates (``schema.INTEGRATIONS``:
+            ``ddp`` for ``reduce_gradients``, ``fsdp2-once`` for ``FSDPRunner``); default the
+            profile's ``step.integration``.
+        parameters: the trained model's trainable parameters, in place of the profile's count
+            (the model it was profiled with): the reduction and the optimizer are priced for
+            the model being trained.
     """
 
     def __init__(
@@ -73,8 +82,17 @@ class WholeStepCalibration:
         ranks_per_node: int,
         refit_every: int = 2,
         min_measurements: int = 8,
+        integration: str | None = None,
+        parameters: int | None = None,
     ) -> None:
+        if integration is not None and integration not in INTEGRATIONS:
+            raise ValueError(
+                f"unknown integration {integration!r}; choose one of {', '.join(INTEGRATIONS)}"
+            )
+        if parameters is not None:
+            profile = with_parameters(profile, parameters)
         self.ranks_per_node = ranks_per_node
+        self.integration = integration
         self.start = profile
         calibrator = OnlineCalibrator(
             profile,
@@ -103,15 +121,22 @@ class WholeStepCalibration:
         busiest = float(busiest_seconds)
         # The plan priced by the current version (a sampler's plan may carry an older one's).
         cost = evaluate_plan(plan, self._model)
-        parts = step_parts(plan, self._model, planned_seconds=cost.step_seconds, priced=cost)
+        parts = step_parts(
+            plan,
+            self._model,
+            planned_seconds=cost.step_seconds,
+            priced=cost,
+            integration=self.integration,
+        )
         parts = parts.as_dict()
-        predicted = parts["total"] + self.fixed.fixed
+        predicted = self.fixed.predict(parts)
         if self.collective.is_fitter:
             self.fixed.observe(step_seconds, min(busiest, step_seconds), parts)
         new = self.collective.step(plan, report)
         if new is not None:
             self._model = new.model(self.ranks_per_node)
-        return StepSeen(predicted, step_seconds, busiest, new)
+        busy = parts["planned"] - parts["synchronisation"]
+        return StepSeen(predicted, step_seconds, busiest, new, busy)
 
     def summary(self) -> str:
         """What calibration changed, in one line (the fitting rank's view)."""

@@ -41,8 +41,19 @@ BIWEIGHT = 3.5
 _ATTENTION_COEFFICIENTS = ("alpha", "beta")
 
 
+#: The fields of a profile's ``step`` that are micro-batch times (priced per token inside every
+#: micro-batch). The others -- the optimizer per parameter, the fixed part -- are paid once per
+#: step outside the micro-batches: a level of micro-batch timings says nothing of them
+#: (``calibration.step_fit`` fits what the step pays outside them).
+_STEP_MICROBATCH = ("embedding_seconds_per_token", "head_loss_seconds_per_token")
+
+
 def _scale(node: Any, factor: float, key: str = "") -> Any:
     if isinstance(node, dict):
+        if key == "step":
+            return {
+                k: _scale(v, factor, k) if k in _STEP_MICROBATCH else v for k, v in node.items()
+            }
         return {
             k: v if k in ("provenance", "wave_seconds") else _scale(v, factor, k)
             for k, v in node.items()
@@ -68,7 +79,8 @@ def scaled_profile(
     """``profile`` with every micro-batch time multiplied by ``factor``.
 
     Every field named in seconds (per-token work, the attention table and its overheads,
-    latencies, the micro-batch constant, layer-mix SSM time) and a quadratic attention's
+    latencies, the micro-batch constant, layer-mix SSM time, the step's per-token embedding and
+    head; not its optimizer or fixed part, paid outside micro-batches) and a quadratic attention's
     ``alpha``/``beta`` are multiplied by ``factor``; every bandwidth is divided by it. The cost
     model is homogeneous of degree one in these (a sum of terms, each linear in one of them, and
     maxima of such sums), so every prediction scales by exactly ``factor``. The wave cost is not

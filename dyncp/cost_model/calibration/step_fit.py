@@ -34,10 +34,33 @@ import numpy as np
 
 from dyncp.cost_model.schema import Profile, StepCosts
 
-__all__ = ["StepFit", "with_fixed_seconds"]
+__all__ = ["StepFit", "whole_step_seconds", "with_fixed_seconds", "with_parameters"]
 
 #: Entries of ``plan.stats["step_parts"]`` a step needs to be calibrated on.
 _NEEDED = ("synchronisation", "gradient_reduction", "optimizer")
+
+
+def whole_step_seconds(parts: Mapping[str, float], fixed: float) -> float:
+    """The whole step of ``parts`` (``StepParts.as_dict()``) with the per-step fixed part
+    ``fixed`` in place of the one the parts were priced with (the profile's ``fixed_seconds``,
+    which a fit replaces, never adds to)."""
+    return float(parts["total"]) - float(parts["fixed"]) + float(fixed)
+
+
+def with_parameters(profile: Profile, parameters: int) -> Profile:
+    """``profile`` pricing the reduction and optimizer of a model of ``parameters`` trainable
+    parameters: a profile's seconds per parameter are the machine's, its count is the model it
+    was measured with, which need not be the one being trained."""
+    if profile.step is None:
+        raise ValueError(
+            f"profile {profile.name!r} has no step section (schema version 1): its seconds per "
+            "parameter are unknown, so a parameter count cannot price a step; profile a step "
+            "(python -m dyncp.profiling.step_costs) or leave parameters unset"
+        )
+    if parameters < 0:
+        raise ValueError(f"parameters must be >= 0, got {parameters}")
+    step = profile.step.model_copy(update={"parameters": int(parameters)})
+    return Profile.model_validate({**profile.model_dump(), "step": step.model_dump()})
 
 
 def with_fixed_seconds(profile: Profile, seconds: float) -> Profile:
@@ -84,6 +107,10 @@ class StepFit:
         self._since = 0
         self.refused = 0
         self.adoptions = 0
+
+    def predict(self, parts: Mapping[str, float]) -> float:
+        """The whole step of ``parts`` with the current fixed part (:func:`whole_step_seconds`)."""
+        return whole_step_seconds(parts, self.fixed)
 
     def observe(
         self, step_seconds: float, busy_seconds: float, parts: Mapping[str, float]

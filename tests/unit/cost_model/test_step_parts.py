@@ -12,6 +12,7 @@ from dyncp.cost_model.schema import Profile, ProfileError, bundled_profiles, loa
 from dyncp.cost_model.sharding import collective_from_profile
 from dyncp.cost_model.step_parts import common_parts, step_parts
 from dyncp.cost_model.step_reference import reference_step_profile
+from dyncp.plan import plan_digest
 from dyncp.planner import Planner, PlannerConfig
 
 STEP = {
@@ -107,6 +108,7 @@ def test_old_profile_plan_parts_sum_to_its_prediction() -> None:
 
 def test_step_needs_version_2() -> None:
     data = json.loads(load_profile("cpu-gloo").to_json())
+    data["schema_version"] = 1
     data["step"] = STEP
     with pytest.raises(ProfileError, match="step needs schema_version 2"):
         Profile.from_json(json.dumps(data))
@@ -201,3 +203,24 @@ def test_reference_step_profile_is_regenerated_and_prices_micro_batches_as_its_b
     reduction, optimizer, _ = common_parts(bundled, world=16, ranks_per_node=8)
     assert optimizer == pytest.approx(8.03e9 * 30 / 3.35e12, rel=0.01)
     assert reduction > 0
+
+
+@pytest.mark.parametrize("name", ["cpu-gloo", "cpu-gloo-4proc"])
+def test_measured_cpu_step_leaves_plans_alone(name: str) -> None:
+    """The CPU profiles' measured step (AdamW and the all-reduce, the profiler's) prices no
+    per-token embedding or head: every plan is the one the step-less profile makes, digest for
+    digest, and only the whole step grows, by the common parts."""
+    new = load_profile(name)
+    assert new.schema_version == 2 and new.step is not None and new.step.parameters > 0
+    assert new.step.embedding_seconds_per_token == new.step.head_loss_seconds_per_token == 0
+    data = json.loads(new.to_json())
+    data["schema_version"], data["step"] = 1, None
+    old = Profile.model_validate({k: v for k, v in data.items() if k != "step"})
+    for seed, policy in ((5, "dyncp"), (6, "megatron"), (7, "static")):
+        batch = np.random.default_rng(seed).integers(16, 2048, 24)
+        a = plan(CostModel(old, 8), policy, batch, world=2, capacity=1024)
+        b = plan(CostModel(new, 8), policy, batch, world=2, capacity=1024)
+        assert plan_digest(a) == plan_digest(b)
+        extra = b.stats["step_parts"]["total"] - a.stats["step_parts"]["total"]
+        assert extra == pytest.approx(sum(common_parts(new, world=2, ranks_per_node=8)), rel=1e-9)
+        assert extra > 0

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds
-from dyncp.cost_model.schema import load_profile
+from dyncp.cost_model.calibration.level import scaled_profile
+from dyncp.cost_model.calibration.measurements import Measurement
+from dyncp.cost_model.calibration.step_fit import StepFit, with_fixed_seconds, with_parameters
+from dyncp.cost_model.schema import Profile, load_profile
+from dyncp.cost_model.step_parts import common_parts
 
 PARTS = {"synchronisation": 0.01, "gradient_reduction": 0.05, "optimizer": 0.02}
 
@@ -76,3 +80,56 @@ def test_bad_settings_name_what_is_allowed() -> None:
         StepFit(load_profile("cpu-gloo"), window=2)
     with pytest.raises(ValueError, match="fixed seconds must be finite and >= 0"):
         with_fixed_seconds(load_profile("cpu-gloo"), -1.0)
+
+
+def test_the_fitted_fixed_part_replaces_the_profiles() -> None:
+    """A profile that prices a fixed part already: the prediction counts it once, the fitted
+    value in place of the profile's (added on top, a 0.25 s profile would predict 0.25 s long)."""
+    profile = with_fixed_seconds(load_profile("cpu-gloo"), 0.25)
+    fit = StepFit(profile)
+    parts = {**PARTS, "fixed": 0.25, "planned": 0.3}
+    parts["total"] = parts["planned"] + sum(PARTS.values()) - PARTS["synchronisation"] + 0.25
+    assert fit.fixed == 0.25
+    assert fit.predict(parts) == pytest.approx(parts["total"], rel=1e-12)
+    rng = np.random.default_rng(3)
+    for wall, busy in measured(rng, 0.1, 12, sigma=0.01):
+        fit.observe(wall, busy, PARTS)
+    assert fit.fixed == pytest.approx(0.1, rel=0.1)
+    assert fit.predict(parts) == pytest.approx(parts["total"] - 0.25 + fit.fixed, rel=1e-12)
+
+
+def test_the_trained_models_parameters_price_its_reduction_and_optimizer() -> None:
+    """A profile measured on one model prices another's step by its parameter count: the
+    optimizer and the all-reduce scale with it, the seconds per parameter stay the profile's."""
+    base = load_profile("cpu-gloo")
+    bigger = with_parameters(base, 10 * base.step.parameters)
+    assert bigger.step.optimizer_seconds_per_parameter == base.step.optimizer_seconds_per_parameter
+    a = common_parts(base, world=2, ranks_per_node=2)
+    b = common_parts(bigger, world=2, ranks_per_node=2)
+    assert b[1] == pytest.approx(10 * a[1], rel=1e-12)
+    assert b[0] > a[0]
+    data = json.loads(base.to_json())
+    data["schema_version"] = 1
+    del data["step"]
+    with pytest.raises(ValueError, match="has no step section"):
+        with_parameters(Profile.model_validate(data), 1000)
+    with pytest.raises(ValueError, match="parameters must be >= 0, got -1"):
+        with_parameters(base, -1)
+
+
+def test_a_micro_batch_level_leaves_the_steps_outside_part_alone() -> None:
+    """The level calibration scales micro-batch times: the step's per-token embedding and head
+    (inside every micro-batch) scale with it, the optimizer and the fixed part (outside them,
+    StepFit's) do not, so a 3x slower micro-batch regime does not triple AdamW."""
+    base = with_fixed_seconds(load_profile("cpu-gloo"), 0.01)
+    data = json.loads(base.to_json())
+    data["step"]["embedding_seconds_per_token"] = 1e-7
+    base = Profile.model_validate(data)
+    checks = [Measurement(1, (300, 700), 0.01), Measurement(2, (1500,), 0.02)]
+    scaled = scaled_profile(base, 3.0, ranks_per_node=2, check=checks)
+    assert scaled.step.embedding_seconds_per_token == pytest.approx(3e-7, rel=1e-12)
+    assert scaled.step.optimizer_seconds_per_parameter == base.step.optimizer_seconds_per_parameter
+    assert scaled.step.fixed_seconds == base.step.fixed_seconds
+    assert common_parts(scaled, world=2, ranks_per_node=2)[1:] == pytest.approx(
+        common_parts(base, world=2, ranks_per_node=2)[1:], rel=1e-12
+    )
