@@ -58,7 +58,7 @@ from dyncp.control.agreement import PendingAgreement
 from dyncp.cost_model import CostModel
 from dyncp.data import BatchSchedule, load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
-from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
+from dyncp.plan.slice import SliceHeader, open_slice, record_index, slice_plan
 from dyncp.planner import Planner
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
@@ -257,8 +257,13 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
     sizes = np.array([len(r) for r in records])
     raw_header = header.to_json()
     positions = range(0, plan.topology.world, max(1, plan.topology.world // 64))
+    topo = plan.topology
     row["slice_cpu"] = max(
-        _seconds(lambda p=p: open_slice(SliceHeader.from_json(raw_header), records[p], p))
+        _seconds(
+            lambda p=p: open_slice(
+                SliceHeader.from_json(raw_header), records[record_index(topo, p)], p
+            )
+        )
         for p in positions
     )
     row["slice_median"], row["slice_max"] = int(np.median(sizes)), int(sizes.max())

@@ -41,7 +41,9 @@ from dyncp.plan.slice import (
     is_header,
     open_slice,
     own_slice,
+    record_index,
     slice_plan,
+    slice_span,
 )
 from dyncp.plan.stats import PlanStats
 from dyncp.plan.topology import PLACEMENT, Topology
@@ -86,7 +88,9 @@ __all__ = [
     "plan_digest",
     "pool_blocks",
     "pool_count",
+    "record_index",
     "slice_plan",
+    "slice_span",
     "stage_layers",
     "stage_order",
     "split_allowed",
