@@ -50,6 +50,7 @@ from dyncp.plan.topology import Topology
 
 __all__ = [
     "HASH_BYTES",
+    "SLICES_FROM",
     "PlanSlice",
     "SliceHeader",
     "SliceUnavailable",
@@ -60,6 +61,7 @@ __all__ = [
     "record_index",
     "slice_plan",
     "slice_span",
+    "use_slices",
 ]
 
 SLICE_VERSION = 2  # 2: one record per span of positions (1: one per position)
@@ -70,6 +72,28 @@ _LEAF, _NODE, _EMPTY = b"dyncp-slice-leaf\0", b"dyncp-slice-node\0", b"dyncp-sli
 _HEADER_TAG = b'{"dyncp_slices":'
 #: Largest record a reader decodes (a node's record of a 131,072-sequence plan: ~10 KB at most).
 MAX_SLICE_BYTES = 16 << 20
+
+
+#: ``slices="auto"`` (the sampler's and ``dyncp.serve``'s default) reads and publishes slices from
+#: this many ranks on: the smallest world measured by ``bench/slices_crossover_bench.py``, where a
+#: reader of slices already spent less per step than a reader of the whole plan (0.70x at 2
+#: ranks, 0.36x at 8, 0.05x at 64; see docs/guides/scale.md), so at every world measured.
+SLICES_FROM = 2
+
+
+def use_slices(choice: bool | str, topology: Topology, *, pipelined: bool) -> bool:
+    """Whether a job of ``topology`` reads plans as slices: ``choice`` True or False, or
+    ``"auto"``: from ``SLICES_FROM`` ranks, unless the plans are pipelined (slices do not carry
+    stages; ``slice_plan``).
+
+    Raises:
+        ValueError: ``choice`` is not True, False or "auto".
+    """
+    if choice == "auto":
+        return topology.world >= SLICES_FROM and not pipelined
+    if choice is True or choice is False:
+        return choice
+    raise ValueError(f"slices must be True, False or 'auto', got {choice!r}")
 
 
 def _h(*parts: bytes) -> bytes:
