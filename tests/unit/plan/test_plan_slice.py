@@ -226,3 +226,50 @@ def test_a_sampler_of_slices_resumes_mid_step_exactly(master) -> None:
     resumed.close()
     service.stop()
     assert [(mb.meta.step, mb.meta.position, list(mb)) for mb in got] == whole
+
+
+def test_all_records_of_a_4096_rank_plan_stay_within_twice_its_json() -> None:
+    """Finding 8: the records of a dyncp-policy plan of 4,096 ranks (2 x N x 8,192 tokens of the
+    bundled Wikipedia sample, as ``bench/control_plane_bench.py --offline --policy dyncp``)
+    and its header total at most 2x the plan's JSON (one record per rank: 3.6x)."""
+    from dyncp.data import load_lengths, resolve_dataset
+
+    world = 4096
+    raw = load_lengths(resolve_dataset("wikipedia"))
+    tokens = 2 * world * 8192
+    picked = np.minimum(raw[np.random.default_rng(0).integers(0, len(raw), tokens // 75)], 65536)
+    lengths = picked[: int(np.searchsorted(np.cumsum(picked), tokens)) + 1]
+    model = CostModel.load("h100-reference", ranks_per_node=8)
+    planner = Planner(model, world=world, ranks_per_node=8, capacity=8192, cpsat=None)
+    plan = planner.plan(lengths)
+    header, records = slice_plan(plan)
+    stored = sum(len(r) for r in records) + len(header.to_json())
+    assert stored <= 2 * len(plan.to_json()), stored / len(plan.to_json())
+    assert len(records) == world // 8
+    for p in (0, 1234, world - 1):  # and each rank still reads its part only
+        mine = open_slice(header, records[record_index(plan.topology, p)], p)
+        assert all(g.start <= p < g.start + g.size for w in mine.waves for g in w.groups)
+
+
+def test_a_reader_of_slices_makes_two_store_requests_a_step() -> None:
+    """Finding 9 with slices: in steady state (old records being deleted) a reader checks for the
+    header and its span's record and reads both (2 requests); the first position of a span also
+    deletes the span's record ``keep_steps`` back (3). Before: 5 (4 reads, 1 deletion) each."""
+    from dyncp.testing.distributed import CountingStore
+
+    base = dist.HashStore()
+    service = PlanService(base, source=make_schedule(), planner=make_planner(), prefix="req",
+                          slices=True, lookahead=0)  # fmt: skip
+    readers = {
+        r: PlanClient(CountingStore(base), source=make_schedule(), planner=make_planner(),
+                      prefix="req", rank=r, slices=True, keep_steps=2)
+        for r in (1, 2)
+    }  # fmt: skip
+    counts = {1: [], 2: []}
+    for step in range(6):
+        assert service.publish(0, step)
+        for r, reader in readers.items():
+            before = reader.store.requests
+            assert reader.fetch(0, step).source == "service"
+            counts[r].append(reader.store.requests - before)
+    assert counts[1][3:] == [2, 2, 2] and counts[2][3:] == [3, 3, 3], counts
