@@ -1,6 +1,6 @@
 """Where plan slices become the better choice: a reader's CPU per step, whole plan vs its slice.
 
-    python bench/slices_crossover_bench.py [--worlds 8,16,...,4096] [--repeats 5]
+    python bench/slices_crossover_bench.py [--worlds 2,4,8,...,4096] [--repeats 5]
 
 For each world size N: one dyncp-policy plan (``Planner``, CP-SAT off) of 2 x N x 8,192 tokens of
 the bundled Wikipedia sample (the batches of ``control_plane_bench.py --offline``, no sequence
@@ -13,7 +13,8 @@ encoding or cutting and its writes, not planning). Timed, median of the repeats:
   the sampler's digest of the plan (``plan_digest``), on reader rank 1;
 - reader, slices: ``PlanClient.fetch`` with ``slices=True`` (header and record in one read,
   the header decoded, the record checked against its root and against the batch);
-- the maker: ``PlanService.publish`` whole (JSON) and sliced (cut + one write per span).
+- the maker: ``PlanService.publish`` whole (JSON) and sliced (cut + one write per span);
+- the bytes rank 1 reads of a sliced plan (signed header + its span's record; whole: the plan).
 
 The sampler's ``slices="auto"`` threshold (``dyncp.sampler.config.SLICES_FROM``) is the smallest N
 here from which a reader of slices spends less than a reader of whole plans at every larger N,
@@ -35,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane_bench import _batch_at, _planner_at  # noqa: E402
 
 from dyncp.data import load_lengths, resolve_dataset  # noqa: E402
-from dyncp.plan import StepPlan, plan_digest  # noqa: E402
-from dyncp.service import PlanClient, PlanService  # noqa: E402
+from dyncp.plan import StepPlan, plan_digest, record_index  # noqa: E402
+from dyncp.service import PlanClient, PlanService, slice_key, step_key  # noqa: E402
 
 
 class _Batch:
@@ -87,6 +88,10 @@ def measure(world: int, repeats: int, raw: np.ndarray) -> dict[str, float]:
             read.append(time.perf_counter() - t1)
             made.append(t1 - t0)
             assert got.source == "service", got
+        if slices:  # what rank 1 reads of a sliced plan: the header and its span's record
+            key = step_key(prefix, 0, 0)
+            own = slice_key(key, record_index(plan.topology, 1))
+            out["read_bytes"] = len(store.get(key)) + len(store.get(own))
         out[f"maker_{prefix}"] = statistics.median(made)
         out[f"reader_{prefix}"] = statistics.median(read)
     return out
@@ -107,18 +112,20 @@ def crossover(rows: dict[int, dict[str, float]]) -> int | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", default="8,16,32,64,128,256,512,1024,2048,4096")
+    p.add_argument("--worlds", default="2,4,8,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     raw = load_lengths(resolve_dataset("wikipedia"))
     rows = {}
     print(
-        "     N  sequences  plan JSON   reader whole   reader slices   ratio   maker whole   maker slices"
+        "     N  sequences  plan JSON  rank 1 reads  reader whole   reader slices   ratio"
+        "   maker whole   maker slices"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         r = rows[world] = measure(world, args.repeats, raw)
         print(
             f"{world:6d}  {r['sequences']:9d}  {r['plan_bytes'] / 1e3:7.1f} KB"
+            f"  {r['read_bytes'] / 1e3:8.1f} KB"
             f"  {r['reader_whole'] * 1e3:10.2f} ms  {r['reader_slices'] * 1e3:11.2f} ms"
             f"  {r['reader_slices'] / r['reader_whole']:6.2f}  {r['maker_whole'] * 1e3:9.1f} ms"
             f"  {r['maker_slices'] * 1e3:10.1f} ms",
