@@ -29,6 +29,7 @@ from dyncp.plan import (
     SliceUnavailable,
     StepPlan,
     check_slice_header,
+    is_header,
     open_slice,
     own_slice,
     record_index,
@@ -54,6 +55,14 @@ if TYPE_CHECKING:
 __all__ = ["Fetched", "PlanClient"]
 
 log = logging.getLogger(__name__)
+
+#: Why a record of the other form is refused (by whether this reader reads slices).
+_FORMS = {
+    True: "the service publishes whole plans and this reader reads slices: give both the same "
+    "slices (True, False, or 'auto' on both, which resolves alike)",
+    False: "the service publishes slices and this reader reads whole plans: give both the same "
+    "slices (True, False, or 'auto' on both, which resolves alike)",
+}
 
 
 class Fetched(NamedTuple):
@@ -140,6 +149,8 @@ class PlanClient:
             if self._missed:
                 plan = plan_batch(self._fallback_for(body), ids, lengths)
                 return Fetched(self._mine(plan), "fallback", "late", False)
+            if self.slices != is_header(body):
+                raise PlanError("decode", _FORMS[self.slices])
             if self.slices:
                 header = SliceHeader.from_json(body)
                 check_slice_header(header, topology=self.topology, lengths=lengths)

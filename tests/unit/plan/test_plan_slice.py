@@ -273,3 +273,17 @@ def test_a_reader_of_slices_makes_two_store_requests_a_step() -> None:
             assert reader.fetch(0, step).source == "service"
             counts[r].append(reader.store.requests - before)
     assert counts[1][3:] == [2, 2, 2] and counts[2][3:] == [3, 3, 3], counts
+
+
+def test_a_reader_of_the_other_form_says_so(master, caplog) -> None:
+    """A service and its readers that resolved ``slices`` differently: each step is rejected
+    with a line saying which side publishes what (it said "schema_version None")."""
+    service = PlanService(
+        master, source=make_schedule(), planner=make_planner(), prefix="forms", slices=True
+    )
+    assert service.publish(0, 1)
+    reader = PlanClient(master, source=make_schedule(), planner=make_planner(), prefix="forms",
+                        rank=1, deadline=5.0, slices=False)  # fmt: skip
+    got = reader.fetch(0, 1)
+    assert (got.source, got.reason) == ("fallback", "rejected")
+    assert "the service publishes slices and this reader reads whole plans" in caplog.text
