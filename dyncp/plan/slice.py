@@ -225,12 +225,15 @@ class PlanSlice:
 
 
 def _group_json(plan: StepPlan, w: int, g: Group) -> bytes:
-    """``[wave, start, size, heads, [[[seq, length, row], ...] per micro-batch]]``."""
+    """``[wave, start, size, heads, [[[seq, length, row], ...] per micro-batch]]``, compact JSON
+    (formatted directly: json.dumps of the nested lists took most of the cut)."""
     ids, lengths = plan.sample_ids, plan.lengths
-    mbs = [
-        [[i, lengths[i], i if ids is None else ids[i]] for i in mb.seq_ids] for mb in g.microbatches
-    ]
-    return json.dumps([w, g.start, g.size, g.heads, mbs], separators=(",", ":")).encode()
+    rows = range(len(lengths)) if ids is None else ids
+    mbs = ",".join(
+        "[" + ",".join(f"[{i},{int(lengths[i])},{int(rows[i])}]" for i in mb.seq_ids) + "]"
+        for mb in g.microbatches
+    )
+    return f"[{int(w)},{int(g.start)},{int(g.size)},{int(g.heads)},[{mbs}]]".encode()
 
 
 def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
@@ -272,7 +275,7 @@ def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
         topology=plan.topology,
         waves=len(plan.waves),
         sequences=len(plan.lengths),
-        labels=sum(int(s) - 1 for s in plan.lengths),
+        labels=int(np.sum(np.asarray(plan.lengths, dtype=np.int64))) - len(plan.lengths),
         root=levels[-1][0],
         policy=plan.policy,
     )
