@@ -230,10 +230,10 @@ def _group_json(plan: StepPlan, w: int, g: Group) -> bytes:
     ids, lengths = plan.sample_ids, plan.lengths
     rows = range(len(lengths)) if ids is None else ids
     mbs = ",".join(
-        "[" + ",".join(f"[{i},{int(lengths[i])},{int(rows[i])}]" for i in mb.seq_ids) + "]"
+        "[" + ",".join(f"[{i},{lengths[i]},{rows[i]}]" for i in mb.seq_ids) + "]"
         for mb in g.microbatches
     )
-    return f"[{int(w)},{int(g.start)},{int(g.size)},{int(g.heads)},[{mbs}]]".encode()
+    return f"[{w},{g.start},{g.size},{g.heads},[{mbs}]]".encode()
 
 
 def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:

@@ -434,7 +434,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         service = None
         if rank == 0:
             schedule = sampler.schedule
-            service = PlanService(store, source=schedule, planner=make_planner(), prefix="c")
+            service = PlanService(  # in the readers' form (slices by default)
+                store, source=schedule, planner=make_planner(), prefix="c", slices=sampler.slices
+            )
             service.start()
         out["stopped"] = _phase(sampler, rank, stop_at=2, service=service)
         # E: slices: each rank reads the header and its own slice (rank 0 serves them) ...
