@@ -16,8 +16,9 @@ measured in the same run, and how often the release exceeds the capacity. Scenar
 - ``in-node``: capacity 16384 tokens/rank, max length 131072 -> static CP 8 stays on NVLink.
 
 ``--profile h100-reference-step`` plans exactly as h100-reference (the same micro-batch prices)
-and adds the whole step's common parts (gradient reduction, optimizer): the summary then shows
-dyncp's whole-step speedup over static beside the micro-batch one.
+and adds the whole step's common parts (gradient reduction, optimizer): a second summary then
+shows dyncp's whole-step speedups over static, megatron-core and megatron-dev (each policy's mean
+``step_parts`` total), the figures the README leads with.
 """
 
 from __future__ import annotations
@@ -67,30 +68,44 @@ def main() -> None:
             print(f"$ python -m dyncp.sim {' '.join(argv[:-2])}")
             print(text.getvalue())
             report = json.loads(out.read_text())
-            step = {k: v["mean_step_seconds"] for k, v in report["policies"].items()}
             over = report["overflow"]["megatron-core"]
             rows.append(
                 (
                     scenario,
                     dataset,
-                    report["speedup_vs_static"]["dyncp"],
-                    step["megatron-core"] / step["dyncp"],
-                    report["speedup_vs_megatron"]["dyncp"],
+                    _speedups(report, "mean_step_seconds"),
                     report["policies"]["dyncp"]["mean_gap_to_lower_bound"],
-                    report.get("whole_step_speedup_vs_static", {}).get("dyncp"),
                     f"{over['steps_packed_over']}/{over['steps']}",
+                    _speedups(report, "whole step"),
                 )
             )
+    _summary("micro-batches", [(s, d, x, gap, over) for s, d, x, gap, over, _ in rows])
+    if all(whole is not None for *_, whole in rows):
+        _summary("whole step", [(s, d, w, gap, over) for s, d, _, gap, over, w in rows])
+
+
+def _speedups(report: dict, measure: str) -> tuple[float, float, float] | None:
+    """dyncp over static, megatron-core and megatron-dev, by the mean step seconds or, for
+    ``"whole step"``, by each policy's mean whole step (None: the profile has no ``step``)."""
+    policies = report["policies"]
+    if measure == "whole step":
+        if not all("mean_step_parts" in p for p in policies.values()):
+            return None
+        step = {k: v["mean_step_parts"]["total"] for k, v in policies.items()}
+    else:
+        step = {k: v[measure] for k, v in policies.items()}
+    return tuple(step[base] / step["dyncp"] for base in ("static", "megatron-core", "megatron"))
+
+
+def _summary(title: str, rows: list) -> None:
+    print(f"{title}:")
     print(
         f"{'scenario':<12}{'dataset':<11}{'dyncp/static':>13}{'dyncp/megatron-core':>20}"
-        f"{'dyncp/megatron-dev':>19}{'dyncp gap':>10}{'whole step dyncp/static':>24}"
-        f"{'  release over capacity (rank-round)'}"
+        f"{'dyncp/megatron-dev':>19}{'dyncp gap':>10}{'  release over capacity (rank-round)'}"
     )
-    for scenario, dataset, ds, dc, dm, gap, whole, over in rows:
-        shown = "-" if whole is None else f"{whole:.3f}x"  # a profile without the whole step
+    for scenario, dataset, (ds, dc, dm), gap, over in rows:
         print(
-            f"{scenario:<12}{dataset:<11}{ds:>12.3f}x{dc:>19.3f}x{dm:>18.3f}x{gap:>10.1%}"
-            f"{shown:>24}  {over}"
+            f"{scenario:<12}{dataset:<11}{ds:>12.3f}x{dc:>19.3f}x{dm:>18.3f}x{gap:>10.1%}  {over}"
         )
 
 

@@ -122,6 +122,7 @@ SLOW = frozenset(
         "unit/sampler/test_sampler.py::test_resume_at_a_random_point_equals_the_uninterrupted_run",
         "unit/sim/test_plots.py::test_plot_writes_a_gantt_per_policy_and_the_step_time_plot",
         "unit/sim/test_release_policy.py::test_the_release_is_priced_beside_dyncp",
+        "unit/sim/test_release_policy.py::test_the_release_pays_the_same_whole_step_parts",
         "unit/sim/test_sim.py::test_cli_subprocess_bundled_defaults",
         "unit/test_readme_figures.py::test_the_record_is_what_the_caption_command_plans_now",
     }

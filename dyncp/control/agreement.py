@@ -220,9 +220,13 @@ class AgreementGroup:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of the group (a collective)."""
-        value = torch.tensor([int(bool(flag))], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+        return bool(self.max(int(bool(flag))))
+
+    def max(self, value: int) -> int:
+        """The largest of every rank's ``value`` (a collective: one all_reduce of 8 bytes)."""
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
 
     def derive(self, label: str) -> str:
         """An id the group's ranks share and nobody else knows or can predict (32 hex digits),

@@ -132,6 +132,20 @@ class PlanSigner:
         )
         return f"{key}-{tag.hexdigest()[:32]}"
 
+    def unbound(self) -> PlanSigner:
+        """A signer with this one's secret and no run: for records every run of the job must
+        be able to check (the plan service's run announcement, ``dyncp.service.run_check``)."""
+        return PlanSigner(self._secret, run="")
+
+    def run_tag(self) -> bytes:
+        """A keyed tag of this signer's run (32 hex digits): equal for equal secrets and runs,
+        and without the secret it tells nothing of the run, so it may be written in the Store
+        where the run id itself may not. Requires a secret."""
+        if self._secret is None:
+            raise ValueError("a run tag needs the job's secret")
+        tag = hmac.new(self._secret, b"run-tag\0" + self.run.encode(), hashlib.sha256)
+        return tag.hexdigest()[:32].encode()
+
     def _mac(self, key: str, body: bytes) -> bytes:
         assert self._secret is not None
         msg = key.encode() + b"\0" + body

@@ -9,7 +9,8 @@ none fitted to a table it is compared with:
 - embedding and LM head per token: 0 -- the LM head's GEMM (hidden x vocab) is already among
   ``linear_seconds_per_token``'s FLOPs (``DecoderShape.gemm_params``) and an embedding lookup
   is a gather of one row per token, negligible beside it; pricing them again would count twice;
-- parameters: the shape's GEMM weights plus its input embedding (hidden x vocab, untied);
+- parameters: ``DecoderShape.parameters``, the shape's GEMM weights plus its input embedding
+  (hidden x vocab) unless the shape ties it to the output layer, plus learned positions;
 - optimizer: AdamW with fp32 master weights is memory-bound; one parameter's update reads its
   fp32 gradient, master weight and two moments (16 bytes) and writes the master weight, the
   moments and the bf16 weight (14 bytes), 30 bytes at the H100 SXM's 3.35 TB/s of HBM3
@@ -44,7 +45,7 @@ def reference_step_profile(base: str = "h100-reference", shape: str = "llama3-8b
     """``base`` with the step of ``shape`` (a ``dyncp.cost_model.shapes.SHAPES`` name)."""
     profile = load_profile(base)
     dec = SHAPES[shape]
-    parameters = dec.gemm_params + dec.hidden_size * dec.vocab_size
+    parameters = dec.parameters
     per_parameter = OPTIMIZER_BYTES_PER_PARAMETER / HBM_BYTES_PER_SECOND
     data = json.loads(profile.to_json())
     data["schema_version"] = 2
@@ -73,8 +74,17 @@ def reference_step_profile(base: str = "h100-reference", shape: str = "llama3-8b
         {
             "name": "step.parameters",
             "value": parameters,
-            "source": f"{shape}: {dec.gemm_params} GEMM weights + {dec.hidden_size} x "
-            f"{dec.vocab_size} input embedding (untied)",
+            "source": f"{shape}: {dec.gemm_params} GEMM weights"
+            + (
+                " (the input embedding tied to the output layer)"
+                if dec.tied_embeddings
+                else f" + {dec.hidden_size} x {dec.vocab_size} input embedding (untied)"
+            )
+            + (
+                f" + {dec.position_embeddings} x {dec.hidden_size} learned positions"
+                if dec.position_embeddings
+                else ""
+            ),
         },
         {
             "name": "step.optimizer_seconds_per_parameter",

@@ -153,7 +153,9 @@ class Topology:
 
     def memory_tokens(self, lengths: Sequence[int], cp: int) -> int:
         """Tokens per rank of a micro-batch of ``lengths`` at CP size ``cp`` (padding included)."""
-        total = sum(padded_length(s, cp) for s in lengths)
+        unit = padding_multiple(cp)  # (``padded_length`` summed, without a call per sequence)
+        ints = map(int, lengths)
+        total = sum(ints) if unit == 1 else unit * sum(-(-s // unit) for s in ints)
         return -(-total // cp)
 
     def fits(self, lengths: Sequence[int], cp: int) -> bool:

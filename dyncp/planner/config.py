@@ -24,6 +24,7 @@ from dyncp.planner.improvement.pass_align import PASSES
 __all__ = [
     "ALL_POLICIES",
     "BOUNDS",
+    "CONSTRUCTIONS",
     "DEFAULT_TIME_LIMIT",
     "DEFER_BOUND",
     "HYBRID_POLICY",
@@ -39,6 +40,7 @@ POLICIES = ("static", "dp-balanced", "batch-adaptive", "megatron", "dyncp")
 HYBRID_POLICY = "dyncp-hybrid"
 ALL_POLICIES = (*POLICIES, HYBRID_POLICY)
 BOUNDS = ("tight", "simple")
+CONSTRUCTIONS = ("search", "quick", "auto")
 DEFER_BOUND = ("auto", "always", "never")
 #: Seconds per step without ``time_limit`` or ``budget``.
 DEFAULT_TIME_LIMIT = 0.1
@@ -113,6 +115,14 @@ class PlannerConfig:
             micro-batch per group), chosen and ordered by the pipelined price
             (``dyncp.planner.pipeline``), and ``predicted_step_seconds`` is that price. Not with
             ``passes="aligned"`` (lockstep passes are another schedule).
+        construction: how the dyncp policies construct a plan: ``"search"`` (default: the
+            greedy constructor's candidates and local search, ``dyncp.planner.construction``),
+            ``"quick"`` (``dyncp.planner.construction.quick``: a few vectorised passes, no
+            baselines; for the deterministic fallback at scale) or ``"auto"``: quick when the
+            search's estimated seconds (``SEARCH_SECONDS_PER_SEQUENCE`` per sequence, a pure
+            function of the batch) exceed the step's limit (``time_limit`` or the budget's
+            seconds), so a deterministic planner stays within its budget without a clock;
+            ``stats["constructor"]`` says which ran. Not for pipelined plans (they search).
         step_parts: also price the step's named parts into ``stats["step_parts"]``
             (``dyncp.cost_model.step_parts``: three more pricings of the plan, after
             ``plan_seconds`` is taken; 0.07 s at 512 ranks, 0.77 s at 4,096 on 2 cores), for
@@ -148,6 +158,7 @@ class PlannerConfig:
     sharding: ShardingCost | None = None
     pipeline: Pipeline | None = None
     step_parts: bool = False
+    construction: str = "search"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_sizes", tuple(self.group_sizes))
@@ -163,6 +174,11 @@ class PlannerConfig:
                 )
         if self.bound not in BOUNDS:
             raise ValueError(f"unknown bound {self.bound!r}; choose one of {', '.join(BOUNDS)}")
+        if self.construction not in CONSTRUCTIONS:
+            raise ValueError(
+                f"unknown construction {self.construction!r}; choose one of "
+                f"{', '.join(CONSTRUCTIONS)}"
+            )
         if self.defer_bound not in DEFER_BOUND:
             raise ValueError(
                 f"unknown defer_bound {self.defer_bound!r}; choose one of {', '.join(DEFER_BOUND)}"

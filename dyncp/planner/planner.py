@@ -99,6 +99,7 @@ from dyncp.planner.config import (
     Improver,
     PlannerConfig,
 )
+from dyncp.planner.construction.quick import quick_chosen
 from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import MAX_SEQUENCES as LAYOUT_MAX_SEQUENCES
@@ -316,8 +317,13 @@ class Planner(PlannerStages):
         if align is not None:  # alignment's share is not the search's
             limit *= 1.0 - ALIGN_SHARE
         deadline = None if self.deterministic else start + limit - reserve
-        baselines = self._build_baselines(batch, self._baseline_deadline(start, deadline))
-        plan, greedy = self._construct(batch, deadline)
+        quick = pipeline is None and quick_chosen(self.config.construction, len(lengths), limit)
+        if self.config.construction != "search":
+            stats["constructor"] = "quick" if quick else "search"
+        baselines = (
+            [] if quick else self._build_baselines(batch, self._baseline_deadline(start, deadline))
+        )
+        plan, greedy = self._construct(batch, deadline, quick=quick)
         t_construct = time.perf_counter()
         cost = self._price(plan, self._pricing)
         price_seconds = time.perf_counter() - t_construct

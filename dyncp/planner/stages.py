@@ -26,6 +26,7 @@ from dyncp.planner.batch import Batch
 from dyncp.planner.config import HYBRID_POLICY, Improver, PlannerConfig
 from dyncp.planner.construction.assignment import Assignment
 from dyncp.planner.construction.greedy import GreedyConstructor
+from dyncp.planner.construction.quick import QuickConstructor
 from dyncp.planner.improvement.cpsat import CpSatImprover
 from dyncp.planner.improvement.head_split import SplitEnvelope, choose_splits
 from dyncp.planner.improvement.laminar import LaminarImprover
@@ -94,10 +95,13 @@ class PlannerStages:
 
     # ------------------------------------------------------------------------------ stages
     def _construct(
-        self, batch: Batch, deadline: float | None = None
+        self, batch: Batch, deadline: float | None = None, *, quick: bool = False
     ) -> tuple[StepPlan, GreedyConstructor | None]:
-        """The policy's plan of ``batch`` (on ``self.topology``), and its constructor (dyncp)."""
+        """The policy's plan of ``batch`` (on ``self.topology``), and its constructor (dyncp;
+        None with ``quick``: the quick construction, which nothing after it improves)."""
         topo, model = self.topology, self.model
+        if quick and self.policy in ("dyncp", HYBRID_POLICY):
+            return QuickConstructor(batch, topo, self._pricing, timing=self.timing).best(), None
         if self.policy == "dp-balanced":
             assert self.static_cp is not None
             return dp_balanced_plan(batch, topo, self.static_cp), None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
+from dyncp.service.run_check import RUN_CHECK_SECONDS
 
 __all__ = ["SamplerConfig"]
 
@@ -59,10 +60,15 @@ class SamplerConfig:
             when a rank of the job serves in-process (the default), an id drawn for this run and
             shared over the agreement group; else none. A standalone ``python -m dyncp.service``
             must be given the ranks' id (``--run-id`` or ``$DYNCP_RUN_ID``).
+        service_wait: with a store and a secret, seconds a rank waits before its first step
+            for the plan service to announce that it serves this run
+            (``dyncp.service.run_check``; it may start after the ranks); a service of another
+            run, without the secret, or none by then is one ``ServiceRunError`` on every rank.
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``, ``lookahead`` / ``agree_ahead`` not
-            an integer >= 0, or ``slices`` not True, False or "auto".
+            an integer >= 0, ``slices`` not True, False or "auto", or ``service_wait`` not
+            seconds in [0, 1e7).
     """
 
     world_size: int
@@ -84,6 +90,7 @@ class SamplerConfig:
     run_id: str | None = None
     slices: bool | str = "auto"
     budget: StepBudget | None = DEFAULT_STEP_BUDGET
+    service_wait: float = RUN_CHECK_SECONDS
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -94,3 +101,5 @@ class SamplerConfig:
             raise ValueError(f"agree_ahead must be an integer >= 0, got {self.agree_ahead!r}")
         if self.slices not in (True, False, "auto") or type(self.slices) not in (bool, str):
             raise ValueError(f"slices must be True, False or 'auto', got {self.slices!r}")
+        if not isinstance(self.service_wait, int | float) or not 0 <= self.service_wait < 1e7:
+            raise ValueError(f"service_wait must be seconds in [0, 1e7), got {self.service_wait!r}")

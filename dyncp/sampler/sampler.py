@@ -260,7 +260,10 @@ class DynamicCPSampler:
                     slices=self.slices,
                     budget=config.budget,
                 )
-            self._source = StorePlans(client, service)
+            agree = None if self.agreement is None else self.agreement.max
+            self._source = StorePlans(
+                client, service, service_wait=config.service_wait, agree=agree
+            )
         self.agree_ahead = config.agree_ahead
         self._recent: OrderedDict[tuple[int, int], StepPlan] = OrderedDict()
         self.epoch = 0

@@ -7,6 +7,7 @@ the plan service's plans from the job's Store and runs the service on the rank t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from dyncp.plan import StepPlan
 from dyncp.planner.budget import StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.service import Fetched, PlanClient, PlanService, lookahead_targets, plan_batch
+from dyncp.service.run_check import RUN_OK
 
 __all__ = ["LocalPlans", "SamplerCounters", "StepInfo", "StorePlans"]
 
@@ -111,16 +113,38 @@ class LocalPlans:
 
 
 class StorePlans:
-    """Plans read from the Store; this rank's service thread starts with the first fetch."""
+    """Plans read from the Store; this rank's service thread starts with the first fetch.
 
-    def __init__(self, client: PlanClient, service: PlanService | None) -> None:
+    Before its first fetch the reader checks that the service serves its run
+    (``PlanClient.check_run``, waiting up to ``service_wait`` seconds); with ``agree`` (the
+    sampler's agreement: the largest of every rank's verdicts, a collective) every rank raises
+    the same :class:`~dyncp.service.run_check.ServiceRunError` when any rank's check failed.
+    """
+
+    def __init__(
+        self,
+        client: PlanClient,
+        service: PlanService | None,
+        *,
+        service_wait: float,
+        agree: Callable[[int], int] | None = None,
+    ) -> None:
         self.client, self.service = client, service
+        self.service_wait, self.agree = service_wait, agree
         self._serving = False
+        self._checked = False
 
     def fetch(self, epoch: int, step: int) -> Fetched:
         if self.service is not None and not self._serving:
             self.service.start()
             self._serving = True
+        if not self._checked:
+            code = self.client.check_run(self.service_wait)
+            if self.agree is not None:
+                code = self.agree(code)
+            if code != RUN_OK:
+                raise self.client.run_error(code, self.service_wait)
+            self._checked = True
         return self.client.fetch(epoch, step)
 
     def close(self) -> None:

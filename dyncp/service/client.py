@@ -43,9 +43,11 @@ from dyncp.service.protocol import (
     cursor_key,
     cursor_value,
     get_many,
+    run_key,
     slice_key,
     step_key,
 )
+from dyncp.service.run_check import RUN_OK, ServiceRunError, verdict_message, wait_for_run
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -165,6 +167,19 @@ class PlanClient:
             plan = plan_batch(self.fallback, ids, lengths)
             return Fetched(self._mine(plan), "fallback", "rejected", ready)
         return Fetched(plan, "service", None, ready)
+
+    def check_run(self, seconds: float) -> int:
+        """Wait up to ``seconds`` for the plan service to announce this reader's run
+        (``dyncp.service.run_check``); the verdict, ``RUN_OK`` when it does. Without a secret
+        the records bind no run and there is nothing to check (``RUN_OK``)."""
+        if not self.signer.authenticated:
+            return RUN_OK
+        return wait_for_run(self.store, self.signer, run_key(self.prefix), seconds)
+
+    def run_error(self, code: int, seconds: float) -> ServiceRunError:
+        """The error for a ``check_run`` verdict other than ``RUN_OK``."""
+        key, run = run_key(self.prefix), self.signer.run
+        return ServiceRunError(verdict_message(code, key=key, run=run, seconds=seconds))
 
     def fallback_slice(self, epoch: int, step: int) -> PlanSlice:
         """This rank's slice of the step's deterministic fallback plan (the same on every

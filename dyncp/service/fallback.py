@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from dyncp.plan import StepPlan, Topology
-from dyncp.planner.budget import StepBudget
+from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import HYBRID_POLICY, Planner
 
 __all__ = ["check_plan", "fallback_planner", "plan_batch"]
@@ -31,6 +31,13 @@ def fallback_planner(planner: Planner) -> Planner:
     whatever ``planner`` was given. Its bound is the closed-form one (``bound="simple"``): every
     rank plans a fallback synchronously inside its step, and the tight LP bound, a report
     nothing in the step reads, costs seconds at 16,384 ranks.
+
+    Every rank plans it inside its step, so it plans within the step budget (``planner``'s
+    budget, else ``DEFAULT_STEP_BUDGET``: a share of the step the batch's closed-form bound
+    predicts), counted without a clock: ``construction="auto"`` runs the deterministic search
+    only where its estimated seconds (a count of sequences) fit that budget, else the quick
+    construction (``dyncp.planner.construction.quick``), which is what it runs at scale (the
+    search took 177 s at 4,096 ranks).
     """
     config = dataclasses.replace(
         planner.config,
@@ -43,7 +50,8 @@ def fallback_planner(planner: Planner) -> Planner:
         bound="simple",
         defer_bound="auto",
         time_limit=None,
-        budget=None,
+        budget=planner.config.budget or DEFAULT_STEP_BUDGET,
+        construction="auto",
     )
     return Planner(planner.model, config)
 

@@ -12,6 +12,10 @@ Store protocol (keys under ``dyncp/<prefix>/``)::
                         ``cursor-<tag>``, a name only holders of the secret can compute
                         (``PlanSigner.private_key``), so that a client rewriting the cursor
                         cannot hide rank 0's from the service
+    run                 the run the service serves, written by the service when it starts:
+                        with a secret, a keyed tag of its run id (never the id), signed
+                        (``dyncp.service.run_check``); readers with the secret compare it with
+                        their own run's at start
     e<epoch>/s<step>    the step's decision, written once with compare_set(key, "", value):
                         the plan JSON (by the service) or FALLBACK (by a reader whose deadline
                         passed first), sealed with the job's secret and run
@@ -69,6 +73,7 @@ __all__ = [
     "cursor_value",
     "get_many",
     "parse_cursor",
+    "run_key",
     "slice_key",
     "step_key",
 ]
@@ -110,6 +115,11 @@ def get_many(store: Store, keys: list[str]) -> list[bytes]:
 def cursor_key(prefix: str) -> str:
     """Store key of the cursor: the step reader rank 0 needs now."""
     return f"dyncp/{prefix}/cursor"
+
+
+def run_key(prefix: str) -> str:
+    """Store key of the service's run announcement (``dyncp.service.run_check``)."""
+    return f"dyncp/{prefix}/run"
 
 
 def cursor_value(epoch: int, step: int) -> bytes:

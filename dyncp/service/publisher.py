@@ -20,7 +20,15 @@ from dyncp.plan import PlanError, slice_plan
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.planner.planner import Planner
 from dyncp.service.fallback import plan_batch
-from dyncp.service.protocol import BatchSource, cursor_key, parse_cursor, slice_key, step_key
+from dyncp.service.protocol import (
+    BatchSource,
+    cursor_key,
+    parse_cursor,
+    run_key,
+    slice_key,
+    step_key,
+)
+from dyncp.service.run_check import announcement
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -133,16 +141,25 @@ class PlanService:
         self._thread: threading.Thread | None = None
 
     def start(self) -> PlanService:
-        """Run the service in a daemon thread on a cloned Store connection."""
+        """Announce the run (``announce``), then run the service in a daemon thread on a cloned
+        Store connection."""
         if self._thread is not None:
             raise RuntimeError("PlanService already started")
         self.store = _clone(self.store)
+        self.announce()
         if self.calibration is not None:
             self.calibration.bind(self.store)
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name="dyncp-plan-service", daemon=True)
         self._thread.start()
         return self
+
+    def announce(self) -> None:
+        """Write the run this service serves at the run key (``dyncp.service.run_check``), so
+        that readers of another run stop at start instead of falling back at every step;
+        ``start()`` does it before the first plan."""
+        key = run_key(self.prefix)
+        self.store.set(key, announcement(self.signer, key))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop after the step being planned (if any) is published."""

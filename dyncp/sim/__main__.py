@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(c & (c - 1) for c in sizes):
             parser.error(f"--policies {RELEASE_POLICY}: the release's CP sizes are powers of two")
         topology = Topology(args.world, args.ranks_per_node, args.capacity, sizes)
-        release = ReleasePlanner(model, topology=topology)
+        release = ReleasePlanner(model, topology=topology, step_parts=True)
     try:
         planners = {
             name: release

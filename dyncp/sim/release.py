@@ -26,6 +26,7 @@ import numpy as np
 
 from dyncp.cost_model.evaluate import evaluate_plan
 from dyncp.cost_model.model import CostModel
+from dyncp.cost_model.step_parts import step_parts
 from dyncp.plan import StepPlan, Topology
 from dyncp.planner.baselines.megatron_core import Overflow, overflow, plan_from_rounds
 from dyncp.planner.bounds.closed_form import lower_bound
@@ -41,12 +42,15 @@ class ReleasePlanner:
 
     ``plan.stats``: the release's predicted step (barrier timing), imbalance, efficiency, rounds
     (``waves``), the closed-form lower bound and the gap to it, the scheduler's own wall time
-    (``timings.plan_seconds``, measured in the child) and ``overflow``.
+    (``timings.plan_seconds``, measured in the child) and ``overflow``; with ``step_parts``, the
+    whole step's parts as the release runs it (barrier timing), as ``Planner(step_parts=True)``
+    gives the other policies, so whole-step speedups over the release can be read.
     """
 
-    def __init__(self, model: CostModel, *, topology: Topology) -> None:
+    def __init__(self, model: CostModel, *, topology: Topology, step_parts: bool = False) -> None:
         self.model = model
         self.topology = topology
+        self.step_parts = step_parts
         self._proc: subprocess.Popen[str] | None = None
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the child's lifetime)
         #: Each planned batch's ``Overflow``, in order.
@@ -106,6 +110,9 @@ class ReleasePlanner:
             "timings": {"plan_seconds": seconds},
             "overflow": asdict(over),
         }
+        if self.step_parts:
+            parts = step_parts(plan, self.model, timing="barrier", priced=cost)
+            plan.stats["step_parts"] = parts.as_dict()
         return plan
 
     def wait_bound(self, plan: StepPlan, timeout: float | None = None) -> StepPlan:

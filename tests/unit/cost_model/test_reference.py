@@ -38,6 +38,20 @@ def test_named_shapes_count_their_gemms() -> None:
     assert llama.kv_bytes_per_token == 4096.0
 
 
+def test_parameters_count_a_tied_embedding_once_and_learned_positions() -> None:
+    # The step's reduction and optimizer price these: Megatron's GPT ties its embedding to the
+    # output layer (counted in gemm_params) and learns 8192 x 2048 positions.
+    assert GPT.parameters == GPT.gemm_params + 8192 * 2048 == 889_192_448
+    llama = SHAPES["llama3-8b"]  # untied, RoPE: the input embedding is a weight of its own
+    assert llama.parameters == llama.gemm_params + 4096 * 128256
+    untied = replace(GPT, tied_embeddings=False, position_embeddings=0)
+    assert untied.parameters == GPT.gemm_params + 2048 * 131072
+    with pytest.raises(ShapeError, match="'position_embeddings' must be >= 0"):
+        replace(GPT, position_embeddings=-1)
+    with pytest.raises(ShapeError, match="'tied_embeddings' must be true or false"):
+        replace(GPT, tied_embeddings=1)
+
+
 def test_shape_json_and_its_errors(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     fields = {k: v for k, v in GPT.to_dict().items() if k != "source"}

@@ -37,6 +37,8 @@ def test_the_config_is_frozen_keyword_only_and_checked() -> None:
         SamplerConfig(world_size=2, rank=0, capacity=8, lookahead=-1)
     with pytest.raises(ValueError, match="agree_ahead must be an integer >= 0, got 1.5"):
         SamplerConfig(world_size=2, rank=0, capacity=8, agree_ahead=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"service_wait must be seconds in \[0, 1e7\), got -1"):
+        SamplerConfig(world_size=2, rank=0, capacity=8, service_wait=-1)
     with pytest.raises(TypeError, match="no_such_option"):
         DynamicCPSampler([1], planner=make_planner(2), world_size=2, rank=0, capacity=8,
                          no_such_option=1)  # fmt: skip
