@@ -233,7 +233,7 @@ class DynamicCPSampler:
                 if calibrate is False
                 else ModelChannel(store, config.prefix, signer=signer),
                 run_id=self.run_id,
-                slices=self.slices,
+                slices="auto" if config.slices == "auto" else self.slices,
             )
             service = None
             if serves:

@@ -34,6 +34,7 @@ from dyncp.plan import (
     own_slice,
     record_index,
     slice_span,
+    use_slices,
 )
 from dyncp.planner.planner import Planner
 from dyncp.planner.versioned import VersionedPlanner
@@ -58,12 +59,12 @@ __all__ = ["Fetched", "PlanClient"]
 
 log = logging.getLogger(__name__)
 
-#: Why a record of the other form is refused (by whether this reader reads slices).
+#: Why a record of the other form is refused (by whether this reader reads slices only).
 _FORMS = {
-    True: "the service publishes whole plans and this reader reads slices: give both the same "
-    "slices (True, False, or 'auto' on both, which resolves alike)",
-    False: "the service publishes slices and this reader reads whole plans: give both the same "
-    "slices (True, False, or 'auto' on both, which resolves alike)",
+    True: "the service publishes whole plans and this reader reads slices only (slices=True): "
+    "give the service slices too, or the reader 'auto'",
+    False: "the service publishes slices and this reader reads whole plans only (slices=False): "
+    "give the service slices=False too, or the reader 'auto'",
 }
 
 
@@ -94,7 +95,10 @@ class PlanClient:
             with one, unsigned or wrongly signed records are rejected (fallback, counted).
         run_id: the run records must be bound to (the service's ``run_id``).
         slices: read the step's slice header and this rank's slice (a
-            :class:`~dyncp.plan.slice.PlanSlice` in ``Fetched.plan``), not the whole plan.
+            :class:`~dyncp.plan.slice.PlanSlice` in ``Fetched.plan``), not the whole plan;
+            ``"auto"``: whichever the service publishes, looked for first in the form
+            ``dyncp.plan.use_slices`` picks for the planner (what the sampler passes, so that a
+            service of the other form costs its readers nothing but the extra reads).
     """
 
     def __init__(
@@ -111,14 +115,15 @@ class PlanClient:
         secret: bytes | str | None = None,
         models: ModelChannel | None = None,
         run_id: str = "",
-        slices: bool = False,
+        slices: bool | str = False,
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
                 f"deadline and late_deadline must be >= 0 seconds, got {deadline}, {late_deadline}"
             )
         self.prefix = check_prefix(prefix)
-        self.slices = slices
+        self.either = slices == "auto"  # take the form the service publishes
+        self.slices = use_slices(slices, planner.topology, pipelined=planner.pipeline is not None)
         self.store = store
         self.source = source
         self.topology = planner.topology
@@ -151,9 +156,10 @@ class PlanClient:
             if self._missed:
                 plan = plan_batch(self._fallback_for(body), ids, lengths)
                 return Fetched(self._mine(plan), "fallback", "late", False)
-            if self.slices != is_header(body):
+            sliced = is_header(body)
+            if sliced != self.slices and not self.either:
                 raise PlanError("decode", _FORMS[self.slices])
-            if self.slices:
+            if sliced:
                 header = SliceHeader.from_json(body)
                 check_slice_header(header, topology=self.topology, lengths=lengths)
                 mine = self._own_slice(key, header, ids, lengths, record)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import dyncp.plan.contract as plan_module
 import dyncp.service as service_module
 from dyncp.cost_model import CostModel
-from dyncp.plan import PlanError, StepPlan
+from dyncp.plan import PlanError, PlanSlice, StepPlan
 from dyncp.plan.slice import (
     HASH_BYTES,
     SliceHeader,
@@ -287,3 +287,11 @@ def test_a_reader_of_the_other_form_says_so(master, caplog) -> None:
     got = reader.fetch(0, 1)
     assert (got.source, got.reason) == ("fallback", "rejected")
     assert "the service publishes slices and this reader reads whole plans" in caplog.text
+    # A reader left at "auto" (the sampler's default) runs whichever form the service publishes.
+    whole = PlanService(master, source=make_schedule(), planner=make_planner(), prefix="forms-w")
+    assert whole.publish(0, 1)
+    for prefix, kind in (("forms", PlanSlice), ("forms-w", StepPlan)):
+        auto = PlanClient(master, source=make_schedule(), planner=make_planner(), prefix=prefix,
+                          rank=1, deadline=5.0, slices="auto")  # fmt: skip
+        got = auto.fetch(0, 1)
+        assert got.source == "service" and isinstance(got.plan, kind), (prefix, got)
