@@ -25,9 +25,10 @@ extrapolates it to 1,024, 4,096 and 16,384 ranks.
    ``--fallback`` also times the plan service's deterministic fallback on them
    (``service.fallback_planner``: what every rank computes inside its step when no plan is
    published).
-   ``--defaults``: Store requests per reader per step with the sampler's defaults (whole plans,
-   and slices), counted at a counting Store in one process (they do not depend on N), and the
-   collectives per step of the defaults (the sampler's agreement and ``execute(agree=True)``).
+   ``--defaults``: Store requests per reader per step with the sampler's defaults (slices, by
+   ``slices="auto"``) and with ``slices=False`` (whole plans), counted at a counting Store in one
+   process (they do not depend on N), and the collectives per step of the defaults (the
+   sampler's agreement and ``execute(agree=True)``).
 3. The model: each collective's latency fitted as a + b log2 N and as a + b N (least squares
    over the measured N; the better fit is used), the Store as a server of fixed throughput;
    per step: agreement + waves x exchange (before) or agreement (after), plus every rank
@@ -48,17 +49,19 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import dyncp.plan.slice as slice_module
 from dyncp.control.agreement import PendingAgreement
 from dyncp.cost_model import CostModel
 from dyncp.data import BatchSchedule, load_lengths, resolve_dataset
 from dyncp.plan import Group, MicroBatch, StepPlan, Topology, Wave, plan_digest
-from dyncp.plan.slice import SliceHeader, open_slice, slice_plan
+from dyncp.plan.slice import SliceHeader, open_slice, record_index, slice_plan, use_slices
 from dyncp.planner import Planner
 from dyncp.planner.baselines.megatron import megatron_plan
 from dyncp.runtime import GroupPool, execute
@@ -253,12 +256,22 @@ def _per_rank_cpu(plan: StepPlan) -> dict:
     row["after"] = row["decode"] + row["validate"] + row["digest"] + row["own_check"]
     # Slices: the maker cuts the plan once; a rank decodes the header and checks its slice.
     row["cut"] = _seconds(lambda: slice_plan(plan), repeats=1)
+    # The baseline, in the same run: one record per position (the layout before node records).
+    with mock.patch.object(slice_module, "slice_span", lambda topology: 1):
+        row["cut_per_rank"] = _seconds(lambda: slice_plan(plan), repeats=1)
+        _, per_rank = slice_plan(plan)
+    row["per_rank_stored"] = sum(len(r) for r in per_rank)
     header, records = slice_plan(plan)
     sizes = np.array([len(r) for r in records])
     raw_header = header.to_json()
     positions = range(0, plan.topology.world, max(1, plan.topology.world // 64))
+    topo = plan.topology
     row["slice_cpu"] = max(
-        _seconds(lambda p=p: open_slice(SliceHeader.from_json(raw_header), records[p], p))
+        _seconds(
+            lambda p=p: open_slice(
+                SliceHeader.from_json(raw_header), records[record_index(topo, p)], p
+            )
+        )
         for p in positions
     )
     row["slice_median"], row["slice_max"] = int(np.median(sizes)), int(sizes.max())
@@ -283,9 +296,11 @@ def offline(worlds: list[int], policy: str = "megatron", fallback: bool = False)
 
 
 def defaults_requests(steps: int = 8) -> dict[str, dict[str, float]]:
-    """Store requests per step of reader ranks 0 and 1 with the defaults (whole plans) and with
-    ``slices=True``, the service publishing in the same process before each read; counted over
-    the second half of the steps (in steady state: old keys are being deleted)."""
+    """Store requests per step of reader ranks 0 and 1 with the defaults (``slices="auto"``:
+    slices at this world, ``use_slices``) and with whole plans (``slices=False``), the service
+    publishing in the same process before each read; counted over the second half of the steps
+    (in steady state: old keys are being deleted). Rank 1 is not the first of its span: the
+    first (here rank 0) also deletes the span's old record."""
     world = 4
     model = CostModel.load("h100-reference", ranks_per_node=world)
     planner = Planner(model, world=world, ranks_per_node=world, capacity=1024, cpsat=None)
@@ -295,8 +310,9 @@ def defaults_requests(steps: int = 8) -> dict[str, dict[str, float]]:
         max_length=4096,
         global_batch_tokens=2 * world * 1024,
     )
+    default = use_slices("auto", planner.topology, pipelined=False)
     out: dict[str, dict[str, float]] = {}
-    for slices in (False, True):
+    for slices in (default, not default):
         base = dist.HashStore()
         prefix = "slices" if slices else "whole"
         service = PlanService(
@@ -323,9 +339,9 @@ def defaults_requests(steps: int = 8) -> dict[str, dict[str, float]]:
                 assert got.source == "service", got
                 if step >= steps // 2:
                     counts[r] += reader.store.requests - before
-        out["slices" if slices else "whole plans"] = {
-            f"rank {r}": n / (steps - steps // 2) for r, n in counts.items()
-        }
+        kind = "slices" if slices else "whole plans"
+        label = f"{kind} ({'the default' if slices == default else f'slices={slices}'})"
+        out[label] = {f"rank {r}": n / (steps - steps // 2) for r, n in counts.items()}
     return out
 
 
@@ -404,7 +420,9 @@ def _print_offline(cpu: dict[int, dict], policy: str) -> None:
             f" slices: header {r['header_bytes']} B + slice median {r['slice_median']} B /"
             f" max {r['slice_max']} B, checked in {r['slice_cpu'] * 1e3:.2f} ms (worst of"
             f" 64 positions); all slices {r['slices_stored'] / r['json_bytes']:.2f}x the"
-            f" plan's JSON; cut once by the maker in {r['cut']:.2f} s"
+            f" plan's JSON; cut once by the maker in {r['cut']:.2f} s (baseline, one record per"
+            f" rank: {r['per_rank_stored'] / r['json_bytes']:.2f}x, cut in"
+            f" {r['cut_per_rank']:.2f} s)"
         )
 
 

@@ -34,6 +34,7 @@ from dyncp.plan.passes import Pass, PassSchedule, pass_schedule
 from dyncp.plan.pipeline import SCHEDULES, Pipeline, PipelineOp, stage_layers, stage_order
 from dyncp.plan.slice import (
     HASH_BYTES,
+    SLICES_FROM,
     PlanSlice,
     SliceHeader,
     SliceUnavailable,
@@ -41,7 +42,10 @@ from dyncp.plan.slice import (
     is_header,
     open_slice,
     own_slice,
+    record_index,
     slice_plan,
+    slice_span,
+    use_slices,
 )
 from dyncp.plan.stats import PlanStats
 from dyncp.plan.topology import PLACEMENT, Topology
@@ -55,6 +59,7 @@ __all__ = [
     "READABLE_VERSIONS",
     "SCHEDULES",
     "SCHEMA_VERSION",
+    "SLICES_FROM",
     "Group",
     "MicroBatch",
     "Pass",
@@ -86,8 +91,11 @@ __all__ = [
     "plan_digest",
     "pool_blocks",
     "pool_count",
+    "record_index",
     "slice_plan",
+    "slice_span",
     "stage_layers",
     "stage_order",
+    "use_slices",
     "split_allowed",
 ]

@@ -3,20 +3,33 @@
 At 16,384 ranks a whole plan is megabytes of JSON, and every rank decoding, hashing and checking
 all of it costs seconds per step. A rank needs only its own groups (the waves it runs in, their
 micro-batches, the lengths and dataset rows of their sequences) and three numbers of the whole
-batch (sequences, label tokens, waves). So the plan's maker cuts it into one slice per rank and
-commits to all of them in a Merkle tree:
+batch (sequences, label tokens, waves). So the plan's maker cuts it into one record per *span*
+of ``slice_span(topology)`` consecutive positions (a node: ``ranks_per_node``) and commits to all
+of them in a Merkle tree:
 
-    header   topology, waves, sequences, label tokens, the policy, and the tree's 12-byte root
-             (signed at the step's key like a plan: ``dyncp.control.signing``)
-    slice p  proof (depth x 12 bytes: the siblings from leaf p up) + compact JSON of what
-             position p runs; depth = ceil(log2 world)
+    header    topology, waves, sequences, label tokens, the policy, and the tree's 12-byte root
+              (signed at the step's key like a plan: ``dyncp.control.signing``)
+    record k  proof (depth x 12 bytes: the siblings from leaf k up) + compact JSON of every
+              group that has a member in span k, each once; depth = ceil(log2 spans)
 
-A rank checks its slice against the header's root (depth hashes) and takes part in the per-step
-agreement with the root's first 8 bytes as its digest: equal roots on every rank and a verified
-slice on each mean every rank runs its part of the same whole plan, without any rank reading it.
-The whole plan is validated once, by its maker, before it is cut. Hashes: BLAKE2b with 12-byte
-digests (``HASH_BYTES``); leaves, inner nodes and padding are domain-separated, and a leaf
-hashes its position, so a slice cannot be replayed at another position.
+Why spans and not one record per rank: a group's micro-batches are needed by each of its
+members. One record per rank repeats a group of c ranks c times (all records were 3.6x / 4.8x
+the plan's JSON at 4,096 / 16,384 ranks on dyncp-policy plans, where most sequences sit in
+groups of 2-16) and stores a proof per rank (0.5x of the plan by itself). Aligned groups of at
+most a node's size never cross a node, so in node-wide records only the groups larger than a
+node repeat, once per node they span; proofs are one per node (``bench/control_plane_bench.py
+--offline --policy dyncp``: 1.2x / 1.3x). A rank reads its node's record (a few kilobytes), and
+because the record's key follows from the topology, it reads the header and the record in one
+Store request (``multi_get``), not in two round trips through an index of separate group blobs.
+
+A rank checks its record against the header's root (depth hashes), keeps the groups it is a
+member of, and takes part in the per-step agreement with the root's first 8 bytes as its digest:
+equal roots on every rank and a verified record on each mean every rank runs its part of the
+same whole plan, without any rank reading it. The whole plan is validated once, by its maker,
+before it is cut. Hashes: BLAKE2b with 12-byte digests (``HASH_BYTES``); leaves, inner nodes and
+padding are domain-separated, and a leaf hashes its span's index, so a record cannot be replayed
+at another span. A bad record makes every rank of its span unable to run the step (they say so in
+the agreement and every rank falls back alike).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from dyncp.plan.topology import Topology
 
 __all__ = [
     "HASH_BYTES",
+    "SLICES_FROM",
     "PlanSlice",
     "SliceHeader",
     "SliceUnavailable",
@@ -44,26 +58,64 @@ __all__ = [
     "is_header",
     "open_slice",
     "own_slice",
+    "record_index",
     "slice_plan",
+    "slice_span",
+    "use_slices",
 ]
 
-SLICE_VERSION = 1
+SLICE_VERSION = 2  # 2: one record per span of positions (1: one per position)
 #: 96-bit nodes: finding another slice with the same path is a second preimage (2**96 work);
-#: the maker, who could look for collisions, is trusted (it signs the header). Shorter proofs
-#: keep all slices together within 2x the plan's JSON at 16,384 ranks.
+#: the maker, who could look for collisions, is trusted (it signs the header).
 HASH_BYTES = 12
 _LEAF, _NODE, _EMPTY = b"dyncp-slice-leaf\0", b"dyncp-slice-node\0", b"dyncp-slice-empty"
 _HEADER_TAG = b'{"dyncp_slices":'
-#: Largest slice a reader decodes (a rank of a 131,072-sequence plan holds ~13 KB at most).
+#: Largest record a reader decodes (a node's record of a 131,072-sequence plan: ~10 KB at most).
 MAX_SLICE_BYTES = 16 << 20
+
+
+#: ``slices="auto"`` (the sampler's and ``dyncp.serve``'s default) reads and publishes slices from
+#: this many ranks on: the smallest world measured by ``bench/slices_crossover_bench.py``, where a
+#: reader of slices already spent less per step than a reader of the whole plan (0.70x at 2
+#: ranks, 0.36x at 8, 0.05x at 64; see docs/guides/scale.md), so at every world measured.
+SLICES_FROM = 2
+
+
+def use_slices(choice: bool | str, topology: Topology, *, pipelined: bool) -> bool:
+    """Whether a job of ``topology`` reads plans as slices: ``choice`` True or False, or
+    ``"auto"``: from ``SLICES_FROM`` ranks, unless the plans are pipelined (slices do not carry
+    stages; ``slice_plan``).
+
+    Raises:
+        ValueError: ``choice`` is not True, False or "auto".
+    """
+    if choice == "auto":
+        return topology.world >= SLICES_FROM and not pipelined
+    if choice is True or choice is False:
+        return choice
+    raise ValueError(f"slices must be True, False or 'auto', got {choice!r}")
 
 
 def _h(*parts: bytes) -> bytes:
     return hashlib.blake2b(b"".join(parts), digest_size=HASH_BYTES).digest()
 
 
-def _depth(world: int) -> int:
-    return max(0, (world - 1).bit_length())
+def _depth(leaves: int) -> int:
+    return max(0, (leaves - 1).bit_length())
+
+
+def slice_span(topology: Topology) -> int:
+    """Positions per record: a node's (``ranks_per_node``, at most the world; module docstring)."""
+    return max(1, min(topology.ranks_per_node, topology.world))
+
+
+def record_index(topology: Topology, position: int) -> int:
+    """The record holding position ``position``'s groups (its span's index)."""
+    return position // slice_span(topology)
+
+
+def _spans(topology: Topology) -> int:
+    return -(-topology.world // slice_span(topology))
 
 
 def is_header(body: bytes) -> bool:
@@ -145,7 +197,7 @@ class PlanSlice:
     waves: tuple[Wave, ...]
     lengths: Mapping[int, int]
     sample_ids: Mapping[int, int]
-    record: bytes  # as published (proof + content): what a resumed sampler re-checks
+    record: bytes  # its span's record as published (proof + content): what a resume re-checks
 
     @property
     def topology(self) -> Topology:
@@ -172,55 +224,49 @@ class PlanSlice:
         return open_slice(header, base64.b64decode(data["record"]), int(data["position"]))
 
 
-def _content(plan: StepPlan, groups: list[tuple[int, Group]]) -> bytes:
-    """``[[wave, start, size, heads, [[[seq, length, row], ...] per micro-batch]], ...]``."""
+def _group_json(plan: StepPlan, w: int, g: Group) -> bytes:
+    """``[wave, start, size, heads, [[[seq, length, row], ...] per micro-batch]]``, compact JSON
+    (formatted directly: json.dumps of the nested lists took most of the cut)."""
     ids, lengths = plan.sample_ids, plan.lengths
-    return json.dumps(
-        [
-            [
-                w,
-                g.start,
-                g.size,
-                g.heads,
-                [
-                    [[i, lengths[i], i if ids is None else ids[i]] for i in mb.seq_ids]
-                    for mb in g.microbatches
-                ],
-            ]
-            for w, g in groups
-        ],
-        separators=(",", ":"),
-    ).encode()
+    rows = range(len(lengths)) if ids is None else ids
+    mbs = ",".join(
+        "[" + ",".join(f"[{i},{lengths[i]},{rows[i]}]" for i in mb.seq_ids) + "]"
+        for mb in g.microbatches
+    )
+    return f"[{w},{g.start},{g.size},{g.heads},[{mbs}]]".encode()
 
 
 def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
-    """Cut a validated plan into its header and one record per position (proof + content).
+    """Cut a validated plan into its header and one record per span (proof + content).
 
-    A pipelined plan is refused: slices do not carry its stages yet, and a slice that dropped
-    them would run the plan unpipelined."""
+    ``records[k]`` holds every group with a member in positions ``[k * span, (k + 1) * span)``
+    (``span = slice_span(plan.topology)``), each group encoded once and shared by the records
+    of the spans it covers. A pipelined plan is refused: slices do not carry its stages yet, and
+    a slice that dropped them would run the plan unpipelined."""
     if plan.pipeline is not None:
         raise PlanError(
             "pipeline",
             f"plan slices do not carry pipeline stages; publish this {plan.pipeline.stages}-stage "
             f"plan whole",
         )
-    world = plan.topology.world
-    mine: list[list[tuple[int, Group]]] = [[] for _ in range(world)]
+    span, spans = slice_span(plan.topology), _spans(plan.topology)
+    parts: list[list[bytes]] = [[] for _ in range(spans)]
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
-            for p in g.ranks:
-                mine[p].append((w, g))
-    contents = [_content(plan, groups) for groups in mine]
-    depth = _depth(world)
-    level = [_h(_LEAF, p.to_bytes(4, "little"), c) for p, c in enumerate(contents)]
-    level += [_h(_EMPTY)] * ((1 << depth) - world)
+            text = _group_json(plan, w, g)
+            for k in range(g.start // span, (g.start + g.size - 1) // span + 1):
+                parts[k].append(text)
+    contents = [b"[" + b",".join(part) + b"]" for part in parts]
+    depth = _depth(spans)
+    level = [_h(_LEAF, k.to_bytes(4, "little"), c) for k, c in enumerate(contents)]
+    level += [_h(_EMPTY)] * ((1 << depth) - spans)
     levels = [level]
     while len(level) > 1:
         level = [_h(_NODE, level[i], level[i + 1]) for i in range(0, len(level), 2)]
         levels.append(level)
     records = []
-    for p, content in enumerate(contents):
-        proof, index = [], p
+    for k, content in enumerate(contents):
+        proof, index = [], k
         for lv in levels[:-1]:
             proof.append(lv[index ^ 1])
             index //= 2
@@ -229,7 +275,7 @@ def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
         topology=plan.topology,
         waves=len(plan.waves),
         sequences=len(plan.lengths),
-        labels=sum(int(s) - 1 for s in plan.lengths),
+        labels=int(np.sum(np.asarray(plan.lengths, dtype=np.int64))) - len(plan.lengths),
         root=levels[-1][0],
         policy=plan.policy,
     )
@@ -237,22 +283,25 @@ def slice_plan(plan: StepPlan) -> tuple[SliceHeader, list[bytes]]:
 
 
 def open_slice(header: SliceHeader, record: bytes, position: int) -> PlanSlice:
-    """Check a record against the header's root and decode it.
+    """Check position ``position``'s span record against the header's root; its part of it.
 
     Raises:
-        PlanError: (rule ``"slice"``) the record is not position ``position``'s slice of the
-            plan the header commits to, or does not decode into groups of that position.
+        PlanError: (rule ``"slice"``) the record is not the record of ``position``'s span of
+            the plan the header commits to, or does not decode into groups of that span.
     """
-    world = header.topology.world
-    if not 0 <= position < world:
-        raise PlanError("slice", f"position {position} is not on the axis of {world} ranks")
-    depth = _depth(world)
+    topology = header.topology
+    if not 0 <= position < topology.world:
+        raise PlanError(
+            "slice", f"position {position} is not on the axis of {topology.world} ranks"
+        )
+    k = record_index(topology, position)
+    depth = _depth(_spans(topology))
     if not depth * HASH_BYTES <= len(record) <= MAX_SLICE_BYTES:
         raise PlanError("slice", f"the slice of position {position} has {len(record)} bytes")
     content = record[depth * HASH_BYTES :]
-    node, index = _h(_LEAF, position.to_bytes(4, "little"), content), position
-    for k in range(depth):
-        sibling = record[k * HASH_BYTES : (k + 1) * HASH_BYTES]
+    node, index = _h(_LEAF, k.to_bytes(4, "little"), content), k
+    for level in range(depth):
+        sibling = record[level * HASH_BYTES : (level + 1) * HASH_BYTES]
         node = _h(_NODE, node, sibling) if index % 2 == 0 else _h(_NODE, sibling, node)
         index //= 2
     if node != header.root:
@@ -261,21 +310,28 @@ def open_slice(header: SliceHeader, record: bytes, position: int) -> PlanSlice:
 
 
 def _decode(header: SliceHeader, content: bytes, position: int, record: bytes) -> PlanSlice:
-    """Decode content the maker committed to; still checked, so that a bug is an error."""
+    """This position's groups of a span record the maker committed to; still checked (every
+    group in the span, at most one of this position's per wave), so that a bug is an error."""
+    span = slice_span(header.topology)
+    first = record_index(header.topology, position) * span
     try:
         data: Any = json.loads(content)
         lengths: dict[int, int] = {}
         samples: dict[int, int] = {}
         by_wave: dict[int, Group] = {}
         for w, start, size, heads, mbs in data:
+            if not (0 <= w < header.waves and start < first + span and first < start + size):
+                raise ValueError(f"a group at {start} (size {size}) of wave {w} is not the span's")
+            if not start <= position < start + size:
+                continue  # another member of the span's
             micro = []
             for mb in mbs:
                 for i, length, row in mb:
                     lengths[int(i)], samples[int(i)] = int(length), int(row)
                 micro.append(MicroBatch(tuple(int(i) for i, _, _ in mb)))
             group = Group(int(start), int(size), tuple(micro), int(heads))
-            if not (0 <= w < header.waves and start <= position < start + size) or w in by_wave:
-                raise ValueError(f"group {group} in wave {w}")
+            if w in by_wave:
+                raise ValueError(f"two groups of position {position} in wave {w}")
             by_wave[int(w)] = group
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise PlanError("slice", f"the slice of position {position} is malformed: {exc}") from None
@@ -288,7 +344,7 @@ def _decode(header: SliceHeader, content: bytes, position: int, record: bytes) -
 def own_slice(plan: StepPlan, position: int) -> PlanSlice:
     """Position ``position``'s slice of a whole plan this rank holds (the fallback path)."""
     header, records = slice_plan(plan)
-    return open_slice(header, records[position], position)
+    return open_slice(header, records[record_index(plan.topology, position)], position)
 
 
 class SliceUnavailable(PlanError):

@@ -3,7 +3,7 @@
 A sampler takes some twenty options; gathered in one frozen, keyword-only record they can be
 built, checked and varied apart from the sampler (``dataclasses.replace(config, rank=r)`` gives
 another rank's), and ``sampler.config`` says what a sampler runs with. The options that need the
-planner or the Store (the planner's topology, ``slices`` and ``calibrate`` without a store, a
+planner or the Store (the planner's topology, ``slices=True`` and ``calibrate`` without a store, a
 non-deterministic planner without one) are checked by the sampler, which holds them; the batch
 options by ``BatchSchedule``, the deadlines by ``PlanClient``, with the messages they always had.
 """
@@ -42,12 +42,16 @@ class SamplerConfig:
             micro-batches (``prefetch_factor * num_workers``) lets a rank's sampler run up to P
             steps ahead of its training, so give ``agree_ahead >= P + 1`` with ``num_workers >
             0``: then no comparison waits for a rank whose training waits for this one.
-        slices: read each step's slice header and this rank's slice from the plan service
-            (``dyncp.plan.slice``: about a kilobyte per rank, checked against the header's
-            Merkle root, whose digest the ranks compare) instead of the whole plan; needs
-            ``store`` and a service started with ``slices`` too. ``on_step`` then receives the
-            :class:`~dyncp.plan.slice.PlanSlice`. Not with ``calibrate`` (measurements need the
-            whole plan).
+        slices: read each step's slice header and this rank's span record from the plan
+            service (``dyncp.plan.slice``: a node's groups, a few kilobytes, checked against the
+            header's Merkle root, whose digest the ranks compare) instead of the whole plan;
+            ``on_step`` then receives this rank's :class:`~dyncp.plan.slice.PlanSlice`. True
+            needs ``store``; the service must publish slices too (in-process it follows this
+            option; ``python -m dyncp.service`` has ``--slices``, default auto alike). Default
+            ``"auto"``: slices from ``dyncp.plan.SLICES_FROM`` ranks (2: a reader of slices
+            spent less per step at every world measured, ``bench/slices_crossover_bench.py``)
+            when a store is given and the planner does not pipeline; whole plans otherwise
+            (give False for code that needs every rank's part, e.g. FSDP full sharding).
         budget: how long each step is planned, by the plan service or the local lookahead
             thread: a share of its predicted seconds (``dyncp.planner.budget``; default 0.25
             within [0.1 s, 2 s]). ``None``: the planner's own ``time_limit``.
@@ -62,8 +66,9 @@ class SamplerConfig:
             run, without the secret, or none by then is one ``ServiceRunError`` on every rank.
 
     Raises:
-        ValueError: ``rank`` outside ``[0, world_size)``, or ``lookahead`` / ``agree_ahead`` not
-            an integer >= 0.
+        ValueError: ``rank`` outside ``[0, world_size)``, ``lookahead`` / ``agree_ahead`` not
+            an integer >= 0, ``slices`` not True, False or "auto", or ``service_wait`` not
+            seconds in [0, 1e7).
     """
 
     world_size: int
@@ -83,7 +88,7 @@ class SamplerConfig:
     secret: bytes | str | None = field(default=None, repr=False)
     agree_ahead: int = 0
     run_id: str | None = None
-    slices: bool = False
+    slices: bool | str = "auto"
     budget: StepBudget | None = DEFAULT_STEP_BUDGET
     service_wait: float = RUN_CHECK_SECONDS
 
@@ -94,5 +99,7 @@ class SamplerConfig:
             raise ValueError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
         if not isinstance(self.agree_ahead, int) or self.agree_ahead < 0:
             raise ValueError(f"agree_ahead must be an integer >= 0, got {self.agree_ahead!r}")
+        if self.slices not in (True, False, "auto") or type(self.slices) not in (bool, str):
+            raise ValueError(f"slices must be True, False or 'auto', got {self.slices!r}")
         if not isinstance(self.service_wait, int | float) or not 0 <= self.service_wait < 1e7:
             raise ValueError(f"service_wait must be seconds in [0, 1e7), got {self.service_wait!r}")

@@ -22,7 +22,7 @@ from dyncp.control.model_channel import ModelChannel, ServiceCalibration
 from dyncp.control.signing import RUN_ENV, SECRET_ENV, SECRET_FILE_ENV, PlanSigner
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data.schedule import BatchSchedule
-from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header
+from dyncp.plan import PlanSlice, SliceUnavailable, StepPlan, check_slice_header, use_slices
 from dyncp.planner.planner import Planner
 from dyncp.sampler.collate import PlannedDataset, ZigzagCollate
 from dyncp.sampler.config import SamplerConfig
@@ -139,6 +139,8 @@ class DynamicCPSampler:
 
     Attributes:
         config: the options it runs with (a ``SamplerConfig``).
+        slices: whether plans are read as slices (``config.slices`` resolved: ``"auto"`` by
+            ``dyncp.plan.use_slices``; never without a store).
 
     Raises:
         ValueError: inconsistent options (each names the option and what is allowed).
@@ -160,11 +162,10 @@ class DynamicCPSampler:
     ) -> None:
         config = SamplerConfig(**options) if config is None else replace(config, **options)
         topo = planner.topology
-        if config.slices and (store is None or calibrate is not False):
-            raise ValueError(
-                "slices=True needs store= (slices come from the plan service) and no calibrate= "
-                "(measurements are matched against the whole plan)"
-            )
+        slices = use_slices(config.slices, topo, pipelined=planner.pipeline is not None)
+        if config.slices is True and store is None:
+            raise ValueError("slices=True needs store= (slices come from the plan service)")
+        self.slices = slices and store is not None  # planned locally: whole plans
         if calibrate is not False and store is None:
             raise ValueError(
                 "calibrate= needs store= (model versions reach the ranks through the plan "
@@ -232,7 +233,7 @@ class DynamicCPSampler:
                 if calibrate is False
                 else ModelChannel(store, config.prefix, signer=signer),
                 run_id=self.run_id,
-                slices=config.slices,
+                slices="auto" if config.slices == "auto" else self.slices,
             )
             service = None
             if serves:
@@ -256,7 +257,7 @@ class DynamicCPSampler:
                     secret=config.secret,
                     calibration=self.calibration,
                     run_id=self.run_id,
-                    slices=config.slices,
+                    slices=self.slices,
                     budget=config.budget,
                 )
             agree = None if self.agreement is None else self.agreement.max

@@ -22,7 +22,9 @@ Plans are signed with the job's secret when ``DYNCP_PLAN_SECRET`` (or ``DYNCP_PL
 is set, as on every rank, and bound to the run given by ``--run-id`` (default
 ``$DYNCP_RUN_ID``), which must be the ranks' ``run_id``; with a secret the run id is required
 (a startup error without one), as it is on the ranks when none of them serves. ``--slices``
-publishes a slice header and one slice per rank, for readers with ``slices=True``. A startup
+(default ``auto``, as the readers' ``slices``: from ``dyncp.plan.SLICES_FROM`` ranks unless the
+plans are pipelined; ``on`` / ``off`` to force) publishes a slice header and one record per node
+instead of the whole plan; the readers' choice must resolve alike. A startup
 error (bad option, dataset, profile, unreachable store, or a port that accepts connections but
 does not answer like a TCPStore within ``--connect-timeout``) is one line on stderr and exit
 status 2 -- torch's own connection warnings are held back while connecting; SIGINT/SIGTERM
@@ -52,7 +54,7 @@ from dyncp.cost_model import CostModel
 from dyncp.cost_model.calibration.online import OnlineCalibrator
 from dyncp.data import OVERLONG, BatchSchedule
 from dyncp.data.readers import DatasetError, load_lengths, resolve_dataset
-from dyncp.plan import Topology
+from dyncp.plan import Topology, use_slices
 from dyncp.planner import POLICIES, Planner
 from dyncp.planner.budget import DEFAULT_STEP_BUDGET, StepBudget
 from dyncp.service.publisher import PlanService
@@ -168,8 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--slices",
-        action="store_true",
-        help="publish a slice header and one slice per rank (the readers' slices=True)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="publish a slice header and one record per node (the readers' slices; default "
+        "auto: as the readers' default, from dyncp.plan.SLICES_FROM ranks unless pipelined)",
     )
     p.add_argument("--calibrate", action="store_true", help="refit the cost model online")
     p.add_argument("--refit-every", type=int, default=4, help="steps between refits")
@@ -376,14 +382,19 @@ def _build(args: argparse.Namespace, stop: threading.Event) -> PlanService:
         lookahead=args.lookahead,
         calibration=calibration,
         run_id=args.run_id,
-        slices=args.slices,
+        slices=use_slices(
+            {"on": True, "off": False}.get(args.slices, "auto"),
+            planner.topology,
+            pipelined=planner.pipeline is not None,
+        ),
         budget=budget,
     )
     service.start()
     print(
         f"dyncp.service.cli: {len(schedule.lengths)} samples, world {args.world}, prefix "
         f"{args.prefix!r}, store {args.host}:{args.port}, plans "
-        f"{'signed' if service.signer.authenticated else 'UNSIGNED'}",
+        f"{'signed' if service.signer.authenticated else 'UNSIGNED'}"
+        f"{', as slices' if service.slices else ', whole'}",
         flush=True,
     )
     return service

@@ -29,8 +29,12 @@ from dyncp.plan import (
     SliceUnavailable,
     StepPlan,
     check_slice_header,
+    is_header,
     open_slice,
     own_slice,
+    record_index,
+    slice_span,
+    use_slices,
 )
 from dyncp.planner.planner import Planner
 from dyncp.planner.versioned import VersionedPlanner
@@ -39,6 +43,7 @@ from dyncp.service.protocol import (
     BatchSource,
     cursor_key,
     cursor_value,
+    get_many,
     run_key,
     slice_key,
     step_key,
@@ -53,6 +58,14 @@ if TYPE_CHECKING:
 __all__ = ["Fetched", "PlanClient"]
 
 log = logging.getLogger(__name__)
+
+#: Why a record of the other form is refused (by whether this reader reads slices only).
+_FORMS = {
+    True: "the service publishes whole plans and this reader reads slices only (slices=True): "
+    "give the service slices too, or the reader 'auto'",
+    False: "the service publishes slices and this reader reads whole plans only (slices=False): "
+    "give the service slices=False too, or the reader 'auto'",
+}
 
 
 class Fetched(NamedTuple):
@@ -82,7 +95,10 @@ class PlanClient:
             with one, unsigned or wrongly signed records are rejected (fallback, counted).
         run_id: the run records must be bound to (the service's ``run_id``).
         slices: read the step's slice header and this rank's slice (a
-            :class:`~dyncp.plan.slice.PlanSlice` in ``Fetched.plan``), not the whole plan.
+            :class:`~dyncp.plan.slice.PlanSlice` in ``Fetched.plan``), not the whole plan;
+            ``"auto"``: whichever the service publishes, looked for first in the form
+            ``dyncp.plan.use_slices`` picks for the planner (what the sampler passes, so that a
+            service of the other form costs its readers nothing but the extra reads).
     """
 
     def __init__(
@@ -99,14 +115,15 @@ class PlanClient:
         secret: bytes | str | None = None,
         models: ModelChannel | None = None,
         run_id: str = "",
-        slices: bool = False,
+        slices: bool | str = False,
     ) -> None:
         if not deadline >= 0 or not late_deadline >= 0:
             raise ValueError(
                 f"deadline and late_deadline must be >= 0 seconds, got {deadline}, {late_deadline}"
             )
         self.prefix = check_prefix(prefix)
-        self.slices = slices
+        self.either = slices == "auto"  # take the form the service publishes
+        self.slices = use_slices(slices, planner.topology, pipelined=planner.pipeline is not None)
         self.store = store
         self.source = source
         self.topology = planner.topology
@@ -120,7 +137,7 @@ class PlanClient:
         self.signer = PlanSigner.from_env(secret, run=run_id)
         self._missed = False
         self._consumed: deque[str] = deque()
-        self._slices: deque[str] = deque()  # this reader's slice keys, oldest first
+        self._slices: deque[str] = deque()  # its span's record keys (first of a span), oldest first
 
     def fetch(self, epoch: int, step: int) -> Fetched:
         """The plan of one step: the published one, or the same fallback on every rank."""
@@ -129,11 +146,7 @@ class PlanClient:
         if self.rank == 0:  # one writer: the service follows rank 0
             cursor = self.signer.private_key(cursor_key(self.prefix))
             self.store.set(cursor, self.signer.seal(cursor, cursor_value(epoch, step)))
-        ready = self.store.check([key])
-        if ready:
-            value: bytes | None = self.store.get(key)
-        else:
-            value = self._poll(key, self.late_deadline if self._missed else self.deadline)
+        value, record, ready = self._read(key)
         if not value:  # none by the deadline, or an empty value: no decision (module docstring)
             value = self.store.compare_set(key, "", self.signer.seal(key, self._fallback_body()))
         self._forget_old(key)
@@ -143,10 +156,14 @@ class PlanClient:
             if self._missed:
                 plan = plan_batch(self._fallback_for(body), ids, lengths)
                 return Fetched(self._mine(plan), "fallback", "late", False)
-            if self.slices:
+            sliced = is_header(body)
+            if sliced != self.slices and not self.either:
+                raise PlanError("decode", _FORMS[self.slices])
+            if sliced:
                 header = SliceHeader.from_json(body)
                 check_slice_header(header, topology=self.topology, lengths=lengths)
-                return Fetched(self._own_slice(key, header, ids, lengths), "service", None, ready)
+                mine = self._own_slice(key, header, ids, lengths, record)
+                return Fetched(mine, "service", None, ready)
             plan = StepPlan.from_json(body)
             check_plan(plan, topology=self.topology, sample_ids=ids, lengths=lengths)
         except SliceUnavailable:
@@ -180,26 +197,53 @@ class PlanClient:
         """A plan this rank computed itself, as the reader returns plans (whole, or its slice)."""
         return own_slice(plan, self.rank) if self.slices else plan
 
-    def _own_slice(
-        self, key: str, header: SliceHeader, ids: np.ndarray, lengths: np.ndarray
-    ) -> PlanSlice:
-        """This rank's slice of a verified header, checked against the batch.
+    def _read(self, key: str) -> tuple[bytes | None, bytes | None, bool]:
+        """The step's decision, this rank's slice record when read with it, and whether the
+        decision was there when asked. With slices, the header and the record are checked for
+        together and read in one request: two requests a step while the service is ahead."""
+        if self.slices:
+            own = self._record_key(key)
+            if self.store.check([key, own]):
+                value, record = get_many(self.store, [key, own])
+                return value, record, True
+        if self.store.check([key]):
+            return self.store.get(key), None, True
+        wait = self.late_deadline if self._missed else self.deadline
+        return self._poll(key, wait), None, False
 
-        The key is not deleted on reading: a job restarted from a checkpoint behind its
-        readers (a prefetching sampler) reads the same steps again. It is deleted
-        ``keep_steps`` steps later, like the step keys rank 0 deletes (``_forget_old``).
+    def _record_key(self, key: str) -> str:
+        return slice_key(key, record_index(self.topology, self.rank))
+
+    def _own_slice(
+        self,
+        key: str,
+        header: SliceHeader,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        record: bytes | None,
+    ) -> PlanSlice:
+        """This rank's slice of a verified header (from its span's record, read with the header
+        or now), checked against the batch.
+
+        The record is not deleted on reading: a job restarted from a checkpoint behind its
+        readers (a prefetching sampler) reads the same steps again. The span's first position
+        deletes it ``keep_steps`` steps later, like the step keys rank 0 deletes
+        (``_forget_old``).
 
         Raises:
             SliceUnavailable: missing, not the header's, or not this batch's.
         """
-        own = slice_key(key, self.rank)
-        self._forget_slice(own)
+        own = self._record_key(key)
+        if self.rank % slice_span(self.topology) == 0:
+            self._forget_slice(own)
         try:
-            if not self.store.check([own]):
-                raise SliceUnavailable(
-                    f"rank {self.rank}: no slice at {own}", header.digest, missing=True
-                )
-            mine = open_slice(header, self.store.get(own), self.rank)
+            if record is None:
+                if not self.store.check([own]):
+                    raise SliceUnavailable(
+                        f"rank {self.rank}: no slice at {own}", header.digest, missing=True
+                    )
+                record = self.store.get(own)
+            mine = open_slice(header, record, self.rank)
             for i, length in mine.lengths.items():
                 if length != int(lengths[i]) or mine.sample_ids[i] != int(ids[i]):
                     raise PlanError("slice", f"sequence {i} of the slice is not this batch's")
@@ -210,7 +254,7 @@ class PlanClient:
         return mine
 
     def _forget_slice(self, own: str) -> None:
-        """Delete this reader's slice of the step ``keep_steps`` behind ``own``'s."""
+        """Delete this reader's span record of the step ``keep_steps`` behind ``own``'s."""
         if self.keep_steps < 0 or own in self._slices:
             return
         self._slices.append(own)

@@ -41,15 +41,17 @@ serving. Without a secret a forged cursor is followed until rank 0 writes its ne
 step). When the Store itself fails the service thread stops and says why
 (``PlanService.failure``).
 
-Slices (``slices=True`` on the service and every reader; ``dyncp.plan.slice``): the step's
-decision is a slice header (signed like a plan) that commits to one slice per rank, written
-first at ``e<epoch>/s<step>/r<position>``; a reader reads the header and its own slice (about a
-kilobyte) and checks the slice against the header; it deletes its slice ``keep_steps`` steps
-later (not on reading: a job restarted from a checkpoint behind its readers reads the same
-steps again), and the service never republishes a step already decided (its slices stay the
-ones the decision committed to). A reader whose slice is missing or does not verify cannot run
-the step: :class:`SliceUnavailable` makes its sampler say so in the per-step agreement, and
-every rank runs its slice of the step's deterministic fallback (``PlanUnusable``).
+Slices (``slices`` on the service and every reader; ``dyncp.plan.slice``): the step's decision
+is a slice header (signed like a plan) that commits to one record per span of positions (a
+node), written first at ``e<epoch>/s<step>/n<record>``; a reader checks for the header and its
+span's record together and reads both in one request (``get_many``: ``multi_get``), and checks
+the record against the header. The first position of a span deletes the span's record
+``keep_steps`` steps later (not on reading: a job restarted from a checkpoint behind its readers
+reads the same steps again), and the service never republishes a step already decided (its
+records stay the ones the decision committed to). A reader whose record is missing or does not
+verify cannot run the step: :class:`SliceUnavailable` makes its sampler say so in the per-step
+agreement, and every rank runs its slice of the step's deterministic fallback
+(``PlanUnusable``).
 
 The publisher (``dyncp.service.publisher``) and the readers (``dyncp.service.client``) both speak
 it; this module holds what they share -- the key names, the cursor's format, the batches both
@@ -58,14 +60,18 @@ sides plan -- so that neither imports the other.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "BatchSource",
     "cursor_key",
     "cursor_value",
+    "get_many",
     "parse_cursor",
     "run_key",
     "slice_key",
@@ -88,9 +94,22 @@ def step_key(prefix: str, epoch: int, step: int) -> str:
     return f"dyncp/{prefix}/e{epoch}/s{step}"
 
 
-def slice_key(key: str, position: int) -> str:
-    """Store key of one rank's slice of the plan decided at step key ``key``."""
-    return f"{key}/r{position}"
+def slice_key(key: str, record: int) -> str:
+    """Store key of one slice record (one span of positions, ``dyncp.plan.record_index``) of the
+    plan decided at step key ``key``."""
+    return f"{key}/n{record}"
+
+
+def get_many(store: Store, keys: list[str]) -> list[bytes]:
+    """The values of keys known to be set, in one request where the Store can (``multi_get``;
+    torch's TCPStore, HashStore and PrefixStore can), else one ``get`` each."""
+    multi = getattr(store, "multi_get", None)
+    if multi is not None:
+        try:
+            return list(multi(keys))
+        except (NotImplementedError, TypeError):
+            pass
+    return [store.get(k) for k in keys]
 
 
 def cursor_key(prefix: str) -> str:

@@ -93,8 +93,8 @@ class PlanService:
             see :class:`dyncp.control.signing.PlanSigner`); without one a warning says the channel
             is unauthenticated.
         run_id: the run the records are bound to (the readers' ``run_id``).
-        slices: publish a slice header and one slice per rank instead of the whole plan
-            (the readers' ``slices``).
+        slices: publish a slice header and one slice record per node instead of the whole
+            plan (the readers' ``slices``).
 
     Attributes:
         failure: why the service thread stopped on its own (the Store failed), else None.
@@ -243,7 +243,7 @@ class PlanService:
             plan = plan_batch(self.planner, ids, lengths, budget=self.budget)
             if self.slices:  # the slices first: a reader that sees the header finds its slice
                 header, records = slice_plan(plan)
-                _set_many(self.store, self._slice_keys(key), records)
+                _set_many(self.store, _record_keys(key, records), records)
                 value: bytes | None = header.to_json()
             else:
                 value = plan.to_json().encode()
@@ -265,12 +265,9 @@ class PlanService:
             self.counters.published += 1
         else:
             self.counters.late += 1
-            for k in self._slice_keys(key) if records else ():  # nobody will read them
+            for k in _record_keys(key, records):  # nobody will read them
                 self.store.delete_key(k)
         return won
-
-    def _slice_keys(self, key: str) -> list[str]:
-        return [slice_key(key, p) for p in range(self.planner.topology.world)]
 
     def __enter__(self) -> PlanService:
         return self.start()
@@ -284,6 +281,11 @@ def _clone(store: Store) -> Store:
         return store.clone()
     except (AttributeError, NotImplementedError, RuntimeError):
         return store
+
+
+def _record_keys(key: str, records: list[bytes]) -> list[str]:
+    """The keys of a sliced plan's records (one per span of positions)."""
+    return [slice_key(key, k) for k in range(len(records))]
 
 
 def _set_many(store: Store, keys: list[str], values: list[bytes]) -> None:

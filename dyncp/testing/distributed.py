@@ -159,6 +159,10 @@ class CountingStore(dist.Store):
         self.requests += 1
         return self.inner.get(key)
 
+    def multi_get(self, keys):
+        self.requests += 1  # one request on the wire (TCPStore's MULTI_GET)
+        return self.inner.multi_get(keys)
+
     def add(self, key, amount):
         self.requests += 1
         return self.inner.add(key, amount)

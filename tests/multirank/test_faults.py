@@ -330,11 +330,19 @@ def _tamper_after_rank0(rank: int, port: int, action: str) -> dict:
         on_step=on_step,
         wrap_fetch=attack_after,
         planner=make_planner(policy="static", max_length=WORLD * CAPACITY),
+        slices=False,  # the whole-plan path (the default is slices: bad-slices covers those)
     )
 
 
-SLICELESS = 2  # the rank whose slice of step 1 is deleted before it reads it
-TIED = (0, 1)  # the ranks whose slices of step 2 are overwritten (half the ranks: a tie)
+NODE = 2  # ranks per node of the sliced scenario: spans {0, 1} and {2, 3}, one record each
+SLICELESS = (2, 3)  # the span whose record of step 1 is deleted before its ranks read it
+TIED = (0, 1)  # the span whose record of step 2 is truncated (half the ranks: a tie)
+PADDED = (2, 3)  # the span whose record of step 3 is padded
+
+
+def _node_planner() -> Planner:
+    model = CostModel.load("h100-reference", ranks_per_node=NODE)
+    return Planner(model, world=WORLD, ranks_per_node=NODE, capacity=CAPACITY, cpsat=None)
 
 
 def _unusable_log() -> list[str]:
@@ -349,32 +357,33 @@ def _unusable_log() -> list[str]:
 
 
 def _bad_slices(rank: int, port: int) -> dict:
-    """Plans travel as slices, with the job's secret. A Store client deletes rank SLICELESS's
-    slice of step 1, and overwrites the slices of ranks TIED of step 2 with a truncated copy and
-    a padded one. Every rank runs the same fallback plan in steps 1 and 2, the slice errors
-    named on every rank, and nobody else is blamed."""
+    """Plans travel as slices (one record per node of NODE ranks), with the job's secret. A
+    Store client deletes the record of span SLICELESS of step 1, truncates that of span TIED of
+    step 2 and pads that of span PADDED of step 3. Every rank runs the same fallback plan in
+    steps 1-3, the slice errors named on every rank, and nobody else is blamed."""
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
     prefix = "bad-slices"
     messages = _unusable_log()
 
     def tamper_first(fetch):
         def fetch_after_tampering(epoch: int, step: int):
-            if step in (1, 2):
+            if step in (1, 2, 3):
                 key = step_key(prefix, epoch, step)
                 store.wait([key], datetime.timedelta(seconds=30))
+                span = slice_key(key, {1: SLICELESS, 2: TIED, 3: PADDED}[step][0] // NODE)
                 if step == 1:
-                    store.delete_key(slice_key(key, SLICELESS))
+                    store.delete_key(span)
+                elif step == 2:
+                    store.set(span, store.get(span)[:-7])
                 else:
-                    first, second = (slice_key(key, p) for p in TIED)
-                    store.set(first, store.get(first)[:-7])
-                    store.set(second, store.get(second) + b" ")
+                    store.set(span, store.get(span) + b" ")
                 store.set(f"{prefix}/{step}", "1")
             return fetch(epoch, step)
 
         return fetch_after_tampering
 
     def on_step(plan, info) -> None:  # the others read step s + 1 after the tampering
-        if info.step in (0, 1) and rank != SLICELESS:
+        if info.step in (0, 1, 2) and rank != SLICELESS[0]:
             store.wait([f"{prefix}/{info.step + 1}"], datetime.timedelta(seconds=30))
 
     out = _sampler_run(
@@ -383,8 +392,9 @@ def _bad_slices(rank: int, port: int) -> dict:
         prefix,
         secret=SECRET,
         slices=True,
+        planner=_node_planner(),
         wrap_fetch=tamper_first,
-        wrap_rank=SLICELESS,
+        wrap_rank=SLICELESS[0],
         on_step=on_step,
         steps_log=True,
     )
@@ -710,13 +720,17 @@ def test_a_bad_slice_makes_every_rank_fall_back_alike_naming_it(chaos: list[dict
     _same_end(runs)
     _exactly_once(runs)
     by_step = {s: (src, why) for s, src, why, _ in runs[0]["digests"]}
-    assert by_step[1] == by_step[2] == ("fallback", "rejected"), by_step
+    assert by_step[1] == by_step[2] == by_step[3] == ("fallback", "rejected"), by_step
     for r in runs:
         said = r["unusable"]
-        assert len(said) == 2, said
-        assert f"cannot run its part (rank {SLICELESS}: its slice is missing)" in said[0], said
-        assert all(f"rank {p}: its slice is malformed" in said[1] for p in TIED), said
-        assert f"rank {SLICELESS}:" not in said[1] and "rank 3:" not in said[1], said
+        assert len(said) == 3, said
+        for message, span, why in zip(
+            said, (SLICELESS, TIED, PADDED), ("missing", "malformed", "malformed")
+        ):
+            assert f"{len(span)} cannot run its part (rank {span[0]}: " in message, said
+            assert all(f"rank {p}: its slice is {why}" in message for p in span), said
+            others = [p for p in range(WORLD) if p not in span]
+            assert not any(f"rank {p}:" in message for p in others), said
 
 
 @pytest.mark.timeout(180)

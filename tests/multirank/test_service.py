@@ -301,9 +301,14 @@ def test_samplers_in_store_mode_share_the_service_plans(master) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("slices", [False, True])
-def test_serve_command_runs_the_service_standalone(master, tmp_path: Path, slices: bool) -> None:
-    """With --slices the readers of slices get the service's plans (they rejected every step)."""
+@pytest.mark.parametrize(
+    ("flag", "slices"), [(["--slices", "off"], False), (["--slices"], True), ([], True)]
+)
+def test_serve_command_runs_the_service_standalone(
+    master, tmp_path: Path, flag: list[str], slices: bool
+) -> None:
+    """With --slices the readers of slices get the service's plans (they rejected every step);
+    the default (auto) publishes slices at this world, as the readers' default reads them."""
     lengths = make_lengths(seed=5)
     np.save(tmp_path / "lengths.npy", lengths)
     cmd = [
@@ -330,9 +335,10 @@ def test_serve_command_runs_the_service_standalone(master, tmp_path: Path, slice
         "0.05",
         "--duration",
         str(HANG_SECONDS),
-        *(["--slices", "--prefix", "cli-slices"] if slices else []),
+        *flag,
+        *(["--prefix", f"cli-slices{len(flag)}"] if slices else []),
     ]
-    prefix = "cli-slices" if slices else "cli"
+    prefix = f"cli-slices{len(flag)}" if slices else "cli"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         schedule = make_schedule(lengths)
@@ -428,7 +434,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         service = None
         if rank == 0:
             schedule = sampler.schedule
-            service = PlanService(store, source=schedule, planner=make_planner(), prefix="c")
+            service = PlanService(  # in the readers' form (slices by default)
+                store, source=schedule, planner=make_planner(), prefix="c", slices=sampler.slices
+            )
             service.start()
         out["stopped"] = _phase(sampler, rank, stop_at=2, service=service)
         # E: slices: each rank reads the header and its own slice (rank 0 serves them) ...

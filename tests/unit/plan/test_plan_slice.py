@@ -19,24 +19,33 @@ import torch.distributed as dist
 import dyncp.plan.contract as plan_module
 import dyncp.service as service_module
 from dyncp.cost_model import CostModel
-from dyncp.plan import PlanError, StepPlan
-from dyncp.plan.slice import HASH_BYTES, SliceHeader, open_slice, own_slice, slice_plan
+from dyncp.plan import PlanError, PlanSlice, StepPlan
+from dyncp.plan.slice import (
+    HASH_BYTES,
+    SliceHeader,
+    open_slice,
+    own_slice,
+    record_index,
+    slice_plan,
+    slice_span,
+)
 from dyncp.planner import Planner
 from dyncp.sampler import BatchSchedule
 from dyncp.sampler.microbatches import rank_microbatches
 from dyncp.service import PlanClient, PlanService, SliceUnavailable, plan_batch, slice_key, step_key
 
 WORLD, CAPACITY = 8, 1024
+NODE = 2  # ranks per node: four spans of two positions, one record each
 
 
 @functools.lru_cache
 def _model() -> CostModel:
-    return CostModel.load("h100-reference", ranks_per_node=WORLD)
+    return CostModel.load("h100-reference", ranks_per_node=NODE)
 
 
 def make_planner() -> Planner:
     return Planner(
-        _model(), world=WORLD, ranks_per_node=WORLD, capacity=CAPACITY, deterministic=True,
+        _model(), world=WORLD, ranks_per_node=NODE, capacity=CAPACITY, deterministic=True,
         cpsat=None,
     )  # fmt: skip
 
@@ -62,9 +71,10 @@ def test_the_slices_together_are_the_plan() -> None:
     header, records = slice_plan(plan)
     assert (header.waves, header.sequences) == (len(plan.waves), len(plan.lengths))
     assert header.labels == sum(s - 1 for s in plan.lengths)
+    assert len(records) == WORLD // NODE == WORLD // slice_span(plan.topology)
     seen: dict[int, set] = {}
-    for p, record in enumerate(records):
-        mine = open_slice(header, record, p)
+    for p in range(WORLD):
+        mine = open_slice(header, records[record_index(plan.topology, p)], p)
         assert len(mine.waves) == len(plan.waves)
         for w, wave in enumerate(mine.waves):
             expected = [g for g in plan.waves[w].groups if g.start <= p < g.start + g.size]
@@ -103,11 +113,11 @@ def test_a_slice_that_is_not_its_positions_slice_is_refused(attack: str) -> None
     other = plan_batch(make_planner(), *make_schedule().batch(0, 2))
     _, other_records = slice_plan(other)
     record, position = {
-        "edited": (_tampered(records[3]), 3),
-        "truncated": (records[3][:HASH_BYTES], 3),
-        "other position": (records[4], 3),
-        "other plan": (other_records[3], 3),
-        "wrong position": (records[3], WORLD),
+        "edited": (_tampered(records[1]), 3),
+        "truncated": (records[1][:HASH_BYTES], 3),
+        "other position": (records[2], 3),  # another span's record (positions 4 and 5)
+        "other plan": (other_records[1], 3),
+        "wrong position": (records[1], WORLD),
         "empty": (b"", 3),
     }[attack]
     with pytest.raises(PlanError) as info:
@@ -144,7 +154,7 @@ def test_a_reader_of_slices_never_touches_the_whole_plan(master, monkeypatch) ->
         master, source=make_schedule(), planner=make_planner(), prefix="sl", slices=True
     )
     assert service.publish(0, 1)
-    sizes = [len(master.get(slice_key(step_key("sl", 0, 1), p))) for p in range(WORLD)]
+    sizes = [len(master.get(slice_key(step_key("sl", 0, 1), k))) for k in range(WORLD // NODE)]
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a reader of slices touched the whole plan")
@@ -157,7 +167,7 @@ def test_a_reader_of_slices_never_touches_the_whole_plan(master, monkeypatch) ->
     got = _reader(master, 5).fetch(0, 1)
     assert got.source == "service" and got.plan.position == 5
     assert got.plan.waves == expected.waves and got.plan.digest == expected.digest
-    assert master.check([slice_key(step_key("sl", 0, 1), 5)])  # kept (keep_steps): restarts
+    assert master.check([slice_key(step_key("sl", 0, 1), 2)])  # kept (keep_steps): restarts
     assert max(sizes) < len(a_plan().to_json())
 
 
@@ -166,7 +176,7 @@ def test_a_missing_slice_makes_its_rank_unable_to_run(master) -> None:
         master, source=make_schedule(), planner=make_planner(), prefix="sl-missing", slices=True
     )
     assert service.publish(0, 1)
-    master.delete_key(slice_key(step_key("sl-missing", 0, 1), 2))
+    master.delete_key(slice_key(step_key("sl-missing", 0, 1), 1))  # positions 2 and 3
     header = SliceHeader.from_json(master.get(step_key("sl-missing", 0, 1)))
     with pytest.raises(SliceUnavailable) as info:
         _reader(master, 2, "sl-missing").fetch(0, 1)
@@ -216,3 +226,72 @@ def test_a_sampler_of_slices_resumes_mid_step_exactly(master) -> None:
     resumed.close()
     service.stop()
     assert [(mb.meta.step, mb.meta.position, list(mb)) for mb in got] == whole
+
+
+def test_all_records_of_a_4096_rank_plan_stay_within_twice_its_json() -> None:
+    """Finding 8: the records of a dyncp-policy plan of 4,096 ranks (2 x N x 8,192 tokens of the
+    bundled Wikipedia sample, as ``bench/control_plane_bench.py --offline --policy dyncp``)
+    and its header total at most 2x the plan's JSON (one record per rank: 3.6x)."""
+    from dyncp.data import load_lengths, resolve_dataset
+
+    world = 4096
+    raw = load_lengths(resolve_dataset("wikipedia"))
+    tokens = 2 * world * 8192
+    picked = np.minimum(raw[np.random.default_rng(0).integers(0, len(raw), tokens // 75)], 65536)
+    lengths = picked[: int(np.searchsorted(np.cumsum(picked), tokens)) + 1]
+    model = CostModel.load("h100-reference", ranks_per_node=8)
+    planner = Planner(model, world=world, ranks_per_node=8, capacity=8192, cpsat=None)
+    plan = planner.plan(lengths)
+    header, records = slice_plan(plan)
+    stored = sum(len(r) for r in records) + len(header.to_json())
+    assert stored <= 2 * len(plan.to_json()), stored / len(plan.to_json())
+    assert len(records) == world // 8
+    for p in (0, 1234, world - 1):  # and each rank still reads its part only
+        mine = open_slice(header, records[record_index(plan.topology, p)], p)
+        assert all(g.start <= p < g.start + g.size for w in mine.waves for g in w.groups)
+
+
+def test_a_reader_of_slices_makes_two_store_requests_a_step() -> None:
+    """Finding 9 with slices: in steady state (old records being deleted) a reader checks for the
+    header and its span's record and reads both (2 requests); the first position of a span also
+    deletes the span's record ``keep_steps`` back (3). Before: 5 (4 reads, 1 deletion) each."""
+    from dyncp.testing.distributed import CountingStore
+
+    base = dist.HashStore()
+    service = PlanService(base, source=make_schedule(), planner=make_planner(), prefix="req",
+                          slices=True, lookahead=0)  # fmt: skip
+    readers = {
+        r: PlanClient(CountingStore(base), source=make_schedule(), planner=make_planner(),
+                      prefix="req", rank=r, slices=True, keep_steps=2)
+        for r in (1, 2)
+    }  # fmt: skip
+    counts = {1: [], 2: []}
+    for step in range(6):
+        assert service.publish(0, step)
+        for r, reader in readers.items():
+            before = reader.store.requests
+            assert reader.fetch(0, step).source == "service"
+            counts[r].append(reader.store.requests - before)
+    assert counts[1][3:] == [2, 2, 2] and counts[2][3:] == [3, 3, 3], counts
+
+
+def test_a_reader_of_the_other_form_says_so(master, caplog) -> None:
+    """A service and its readers that resolved ``slices`` differently: each step is rejected
+    with a line saying which side publishes what (it said "schema_version None")."""
+    service = PlanService(
+        master, source=make_schedule(), planner=make_planner(), prefix="forms", slices=True
+    )
+    assert service.publish(0, 1)
+    reader = PlanClient(master, source=make_schedule(), planner=make_planner(), prefix="forms",
+                        rank=1, deadline=5.0, slices=False)  # fmt: skip
+    got = reader.fetch(0, 1)
+    assert (got.source, got.reason) == ("fallback", "rejected")
+    assert "the service publishes slices and this reader reads whole plans" in caplog.text
+    # A reader left at "auto" (the sampler's default) runs whichever form the service publishes.
+    whole = PlanService(master, source=make_schedule(), planner=make_planner(), prefix="forms-w")
+    assert whole.publish(0, 1)
+    for prefix, kind in (("forms", PlanSlice), ("forms-w", StepPlan)):
+        auto = PlanClient(master, source=make_schedule(), planner=make_planner(), prefix=prefix,
+                          rank=1, deadline=5.0, slices="auto")  # fmt: skip
+        got = auto.fetch(0, 1)
+        assert got.source == "service" and isinstance(got.plan, kind), (prefix, got)

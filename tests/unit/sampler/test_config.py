@@ -42,3 +42,27 @@ def test_the_config_is_frozen_keyword_only_and_checked() -> None:
     with pytest.raises(TypeError, match="no_such_option"):
         DynamicCPSampler([1], planner=make_planner(2), world_size=2, rank=0, capacity=8,
                          no_such_option=1)  # fmt: skip
+
+
+def test_slices_are_the_default_with_a_store_and_whole_plans_where_they_cannot_be() -> None:
+    """Finding 10: ``slices="auto"`` (the default) reads slices with a store from
+    ``SLICES_FROM`` ranks; planned locally, or pipelined, plans stay whole; a bad value is one
+    line naming what is allowed."""
+    import torch.distributed as dist
+
+    from dyncp.plan import Topology, use_slices
+
+    lengths = make_lengths(50, seed=0)
+    common = dict(world_size=4, rank=1, capacity=CAPACITY, global_batch_size=8, serve=False)
+    assert SamplerConfig(world_size=4, rank=1, capacity=CAPACITY).slices == "auto"
+    served = DynamicCPSampler(lengths, planner=make_planner(4), store=dist.HashStore(), **common)
+    assert served.slices and served._source.client.slices
+    assert not DynamicCPSampler(lengths, planner=make_planner(4), **common).slices  # local
+    assert use_slices("auto", Topology(4, 4, CAPACITY), pipelined=False)
+    assert not use_slices("auto", Topology(4, 4, CAPACITY), pipelined=True)
+    assert not use_slices("auto", Topology(1, 1, CAPACITY), pipelined=False)
+    assert not use_slices(False, Topology(4, 4, CAPACITY), pipelined=False)
+    with pytest.raises(ValueError, match="slices must be True, False or 'auto', got 'yes'"):
+        SamplerConfig(world_size=4, rank=1, capacity=CAPACITY, slices="yes")
+    with pytest.raises(ValueError, match="slices=True needs store="):
+        DynamicCPSampler(lengths, planner=make_planner(4), slices=True, **common)
