@@ -397,7 +397,7 @@ def test_improver_better_plan_kept() -> None:
     planner = make_planner(TOPO, "dyncp", improver=lambda p, m: good)
     # Start the improver from a deliberately poor construction: everything on one ring of 8.
     poor = fixed_cp_plan(np.asarray(BATCH), TOPO, model_for(4), 8)
-    planner._construct = lambda lengths, *_: (
+    planner._construct = lambda lengths, *_, **__: (
         fixed_cp_plan(lengths, TOPO, model_for(4), 8),
         GreedyConstructor(lengths, TOPO, model_for(4)),
     )
